@@ -1,0 +1,46 @@
+"""cacheflow-jax: a three-tier cache (device, host, TensorStore) for JAX inference data.
+
+Public surface (see DESIGN.md): `open_store`, `write_store`, `TieredCache`, `serving`, the policies
+`lfu`, `lru`, `lfu_plain`, and `cacheflow_jax.orbax.restore_lazy`.
+"""
+
+from cacheflow_jax._blocks import (
+    ArrayInfo,
+    BlockInfo,
+    BudgetError,
+    CorruptBlockError,
+    Store,
+    StoreError,
+    block_key,
+    parse_key,
+)
+from cacheflow_jax._cache import Prefetcher, TieredCache, kind_of
+from cacheflow_jax._policy import Policy, get_policy, lfu, lfu_plain, lru
+from cacheflow_jax._serving import ServingSession, serving
+from cacheflow_jax._store import TensorStoreStore, open_store, write_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayInfo",
+    "BlockInfo",
+    "BudgetError",
+    "CorruptBlockError",
+    "Policy",
+    "Prefetcher",
+    "ServingSession",
+    "Store",
+    "StoreError",
+    "TensorStoreStore",
+    "TieredCache",
+    "block_key",
+    "get_policy",
+    "kind_of",
+    "lfu",
+    "lfu_plain",
+    "lru",
+    "open_store",
+    "parse_key",
+    "serving",
+    "write_store",
+]

@@ -1,0 +1,142 @@
+"""Blocks, keys and the L3 store protocol.
+
+A block is the unit that moves between tiers: one chunk of one stored array, or one runtime block
+(a KV block keyed by prefix hash). Chunks of stored arrays are keyed ``"<array path>@<i,j,...>"``;
+runtime blocks may use any string without ``@``. Every block's shape, dtype and nbytes are known
+before it is read, so budgets can be checked before any I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+KEY_SEPARATOR = "@"
+
+
+class BudgetError(ValueError):
+    """A byte budget is invalid (negative, or too small for a block that must fit)."""
+
+
+class StoreError(OSError):
+    """The L3 store could not be opened, read or written."""
+
+
+class CorruptBlockError(StoreError):
+    """A stored chunk failed its checksum; the message names the key and the file."""
+
+
+def block_key(array_path: str, index: Sequence[int]) -> str:
+    """Returns the key of chunk ``index`` of the array at ``array_path``.
+
+    >>> block_key("params/layers_3/mlp/kernel", (0, 2))
+    'params/layers_3/mlp/kernel@0,2'
+    """
+    return f"{array_path}{KEY_SEPARATOR}{','.join(str(int(i)) for i in index)}"
+
+
+def parse_key(key: str) -> tuple[str, tuple[int, ...]]:
+    """Splits a chunk key into its array path and chunk index.
+
+    Raises:
+      KeyError: ``key`` is not of the form ``"<array path>@<i,j,...>"``.
+
+    >>> parse_key("params/w@1,0")
+    ('params/w', (1, 0))
+    """
+    path, sep, idx = key.rpartition(KEY_SEPARATOR)
+    if not sep or not path:
+        raise KeyError(f"{key!r} is not a chunk key of the form '<array path>@<i,j,...>'")
+    try:
+        index = tuple(int(i) for i in idx.split(",")) if idx else ()
+    except ValueError:
+        raise KeyError(
+            f"{key!r} has a bad chunk index {idx!r}: expected comma-separated integers"
+        ) from None
+    return path, index
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What is known about a block before it is read."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    array: str = ""  # array path; "" for runtime blocks
+    index: tuple[int, ...] = ()  # chunk grid index; () for runtime blocks
+    origin: tuple[int, ...] = ()  # element offset of the chunk in its array
+
+    @property
+    def runtime(self) -> bool:
+        """True for blocks written at run time (write-back on eviction)."""
+        return not self.array
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayInfo:
+    """One stored array: its path, shape, dtype and chunk shape."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        """The number of chunks along each dimension."""
+        return tuple(-(-s // c) if c else 1 for s, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class ReadFuture(Protocol):
+    """A pending read: TensorStore's futures satisfy this."""
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+    def done(self) -> bool: ...
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The L3 store as the cache sees it. Storage only: it never decides what to keep.
+
+    All reads and writes are asynchronous and return futures; a store never blocks the caller on
+    I/O except in ``result()``.
+    """
+
+    @property
+    def spec(self) -> str:
+        """A short human-readable description (path or URL) used in error messages."""
+        ...
+
+    def arrays(self) -> Mapping[str, ArrayInfo]:
+        """The stored arrays by path."""
+        ...
+
+    def info(self, key: str) -> BlockInfo:
+        """The block's metadata. Raises ``KeyError`` naming the key and the store."""
+        ...
+
+    def keys(self) -> Sequence[str]:
+        """Every block key the store holds (chunks of stored arrays, then runtime blocks)."""
+        ...
+
+    def read(self, key: str) -> ReadFuture:
+        """Starts reading one block; the future yields a numpy array of ``info(key).shape``."""
+        ...
+
+    def read_many(self, keys: Sequence[str]) -> list[ReadFuture]:
+        """Starts reading many blocks at once (issued in parallel)."""
+        ...
+
+    def write(self, key: str, value: np.ndarray) -> ReadFuture:
+        """Starts writing a runtime block (``key`` without ``@``); the future completes when durable."""
+        ...

@@ -1,0 +1,101 @@
+"""L1 (device) and L2 (host) tiers: storage and byte accounting only; the policy decides.
+
+A tier holds values by key and counts bytes against a hard budget. ``used`` includes bytes
+*reserved* for blocks on their way in, so the budget holds at every moment: room is reserved before
+a transfer starts and released only after a block has left. Tiers are not thread-safe on their own;
+`TieredCache` calls them under its lock and never performs a transfer (``load``) under it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import jax
+import numpy as np
+
+from cacheflow_jax._blocks import BudgetError
+
+# A value standing in for a block's bytes when the cache only tracks metadata (replay).
+PRESENT = True
+
+
+class AbstractTier(abc.ABC):
+    """A byte-budgeted map from key to a block value."""
+
+    name: str
+    budget: int
+    used: int
+    entries: dict[str, Any]
+
+    def __init__(self, budget: int, *, setting: str) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+            raise BudgetError(f"{setting}={budget!r} must be an integer number of bytes")
+        if budget < 0:
+            raise BudgetError(f"{setting}={budget} is negative; give a byte budget >= 0")
+        self.budget = int(budget)
+        self.used = 0
+        self.entries = {}
+
+    def reserve(self, nbytes: int) -> bool:
+        """Reserves ``nbytes`` if they fit in the budget; returns whether they did."""
+        if self.used + nbytes > self.budget:
+            return False
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Returns ``nbytes`` of reserved or resident room."""
+        self.used -= nbytes
+
+    def put_reserved(self, key: str, value: Any) -> None:
+        """Stores ``value`` in room already reserved for it."""
+        self.entries[key] = value
+
+    def pop(self, key: str) -> Any:
+        """Removes and returns a value; its bytes stay counted until ``release``."""
+        return self.entries.pop(key)
+
+    @abc.abstractmethod
+    def load(self, value: Any) -> Any:
+        """Converts a value from another tier (or the store) into this tier's form. May block."""
+
+
+class DeviceTier(AbstractTier):
+    """L1: ``jax.Array`` values on one device."""
+
+    name = "device"
+
+    def __init__(self, budget: int, *, device: jax.Device | None = None) -> None:
+        super().__init__(budget, setting="device_bytes")
+        self.device = device if device is not None else jax.devices()[0]
+
+    def load(self, value: Any) -> jax.Array:
+        if isinstance(value, jax.Array) and value.devices() == {self.device}:
+            return value
+        out = jax.device_put(value, self.device)
+        out.block_until_ready()  # the transfer has finished before the bytes count as resident
+        return out
+
+
+class HostTier(AbstractTier):
+    """L2: numpy arrays in host memory."""
+
+    name = "host"
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget, setting="host_bytes")
+
+    def load(self, value: Any) -> np.ndarray:
+        return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else value
+
+
+class MetadataTier(AbstractTier):
+    """A tier that tracks residency and bytes but holds no data (replay)."""
+
+    def __init__(self, budget: int, *, name: str, setting: str) -> None:
+        super().__init__(budget, setting=setting)
+        self.name = name
+
+    def load(self, value: Any) -> Any:
+        return PRESENT
