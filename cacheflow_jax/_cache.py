@@ -135,6 +135,7 @@ class TieredCache:
         self._read_buffer = max(1, int(read_buffer))
         self._inflight: dict[str, _Transit] = {}
         self._runtime: dict[str, BlockInfo] = {}  # runtime blocks put into this cache
+        self._kinds: dict[str, str] = {}  # runtime block key -> access-log kind given to put
         # Runtime blocks: each put makes a new version; L3 holds version ``_durable[key]``.
         # A dirty block that left L1/L2 waits in ``_unwritten`` (served to readers from there)
         # until its write is durable, so no reader can see L3 before the write lands.
@@ -447,6 +448,11 @@ class TieredCache:
                 if self._is_dirty(key):
                     self._unwritten[key] = value  # the write starts after the lock is released
 
+    def kind(self, key: str) -> str:
+        """The access-log kind of a block (``weight``, ``embedding``, ``kv`` or ``other``)."""
+        kind = self._kinds.get(key)
+        return kind if kind is not None else kind_of(self.info(key))
+
     def info(self, key: str) -> BlockInfo:
         """The block's metadata (shape, dtype, nbytes). Raises ``KeyError`` naming the key."""
         info = self._runtime.get(key)
@@ -487,6 +493,7 @@ class TieredCache:
                 if transit is None:
                     self._discard(key)
                     self._runtime[key] = info
+                    self._kinds[key] = kind
                     self._version[key] = self._version.get(key, 0) + 1
                     self._inflight[key] = transit = _Transit()
                     self.policy.access(self._pstate, key, self._clock())

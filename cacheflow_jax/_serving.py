@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from cacheflow_jax._access_log import AccessLogWriter
-from cacheflow_jax._cache import TieredCache, kind_of
+from cacheflow_jax._cache import TieredCache
 
 
 class ServingSession:
@@ -77,8 +77,7 @@ def serving(
     if access_log is not None:
 
         def describe(key: str) -> tuple[int, str]:
-            info = cache.info(key)
-            return info.nbytes, kind_of(info)
+            return cache.info(key).nbytes, cache.kind(key)
 
         log = AccessLogWriter(access_log, describe=describe)
     session = ServingSession(cache, log)

@@ -425,3 +425,28 @@ def test_corrupted_chunk_names_key_and_file(tmp_path):
     assert _bitwise(cache.get("w@2,0"), data[2:3])  # the others still read fine
     assert not cache.contains("w@3,0")
     cache.check_budgets()
+
+
+@pytest.mark.s3
+def test_s3_store_through_the_cache(s3_server):
+    """write_store to a real S3 server on loopback, then read every block back through the cache."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((12, 8)).astype(jnp.bfloat16)
+    b = rng.integers(-128, 127, (30,), dtype=np.int8)
+    url = f"s3://{s3_server.bucket}/cache-test"
+    kw = {"s3_endpoint": s3_server.endpoint, "s3_region": s3_server.region}
+    cfj.write_store({"w": w, "b": b}, url, chunk_bytes=32, **kw)
+    store = cfj.open_store(url, **kw)
+    cache = cfj.TieredCache(store, device_bytes=64, host_bytes=64)
+    with cfj.serving(cache) as s:
+        s.put("kv:s3-block", np.arange(8, dtype=np.int8))
+        chunks = [k for k in store.keys() if "@" in k]
+        for _ in range(2):
+            got = dict(zip(chunks, s.get_many(chunks)))
+            for key, value in got.items():
+                info = store.info(key)
+                src = w if info.array == "w" else b
+                want = src[tuple(slice(o, o + n) for o, n in zip(info.origin, info.shape))]
+                assert _bitwise(value, want), key
+    again = cfj.open_store(url, **kw)
+    assert _bitwise(again.read("kv:s3-block").result(), np.arange(8, dtype=np.int8))
