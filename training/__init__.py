@@ -1,0 +1,1 @@
+"""Offline training of the predictor on access logs (``cacheflow train``)."""
