@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+from _thread import allocate_lock as _allocate_lock
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -33,7 +34,7 @@ import numpy as np
 
 from cacheflow_jax._blocks import KEY_SEPARATOR, BlockInfo, BudgetError, Store
 from cacheflow_jax._policy import Policy, get_policy
-from cacheflow_jax._tiers import AbstractTier, DeviceTier, HostTier
+from cacheflow_jax._tiers import PRESENT, AbstractTier, DeviceTier, HostTier
 
 DEVICE, HOST = 0, 1
 
@@ -51,18 +52,27 @@ class Prefetcher(Protocol):
 
 
 class _Transit:
-    """A block moving between tiers; waiters block on ``done`` outside the cache lock."""
+    """A block moving between tiers; waiters block in ``wait`` outside the cache lock.
 
-    __slots__ = ("done", "value", "error")
+    A raw lock held from creation until ``finish`` is the cheapest one-shot event in CPython
+    (``threading.Event`` builds a Condition), and transits are made on every miss.
+    """
+
+    __slots__ = ("_gate", "value", "error")
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self._gate = _allocate_lock()
+        self._gate.acquire()
         self.value: Any = None  # the device array when the transit was a load
         self.error: BaseException | None = None
 
     def finish(self, value: Any = None, error: BaseException | None = None) -> None:
         self.value, self.error = value, error
-        self.done.set()
+        self._gate.release()
+
+    def wait(self) -> None:
+        with self._gate:
+            pass
 
 
 def kind_of(info: BlockInfo) -> str:
@@ -130,6 +140,7 @@ class TieredCache:
         self._pstate = self.policy.init(len(self._tiers))
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever tier bytes are released
+        self._room_waiters = 0
         self._l1 = self._tiers[DEVICE].entries  # the hit path reads this dict without the lock
         self._reads: collections.deque[str] = collections.deque()
         self._read_buffer = max(1, int(read_buffer))
@@ -200,7 +211,7 @@ class TieredCache:
                 raise first_error
             pending = []
             for key, transit in waits:
-                transit.done.wait()
+                transit.wait()
                 if transit.error is not None:
                     raise transit.error
                 if transit.value is not None:
@@ -208,6 +219,59 @@ class TieredCache:
                 else:
                     pending.append(key)
         return [out[k] for k in keys]
+
+    # --------------------------------------------------------------------- replay (one thread)
+
+    def access_sync(self, key: str) -> None:
+        """Records one access and moves blocks as `get` would, synchronously and without data.
+
+        For replay over metadata-only tiers (`MetadataTier`) in a single thread: it makes the same
+        calls on the same policy and tiers, in the same order, as `get` with ``read_buffer=1`` (a
+        test checks that both give identical counters and residency), without the transit and
+        locking machinery that concurrent data movement needs. Not for runtime blocks.
+        """
+        now = self._clock()
+        if key in self._l1:
+            self._account(key, "device", now)
+            return
+        nbytes = self.info(key).nbytes
+        policy, state, tiers = self.policy, self._pstate, self._tiers
+        host = tiers[HOST] if len(tiers) > HOST else None
+        if host is not None and key in host.entries:
+            self._account(key, "host", now)
+            policy.remove(state, HOST, key)
+            del host.entries[key]
+            host.used -= nbytes
+        else:
+            self._account(key, "miss", now)
+        if self._room_sync(DEVICE, nbytes, key, now):
+            self._l1[key] = PRESENT
+            policy.insert(state, DEVICE, key, now)
+        elif host is not None and self._room_sync(HOST, nbytes, key, now):
+            host.entries[key] = PRESENT
+            policy.insert(state, HOST, key, now)
+
+    def _room_sync(self, tier_index: int, nbytes: int, key: str, now: float) -> bool:
+        """`_make_room` and `_evict_one` for `access_sync`: the same decisions, no transfers."""
+        tier = self._tiers[tier_index]
+        if nbytes > tier.budget:
+            return False
+        policy, state = self.policy, self._pstate
+        while tier.used + nbytes > tier.budget:
+            victim = policy.victim(state, tier_index)
+            if victim is None or not policy.admit(state, key, victim):
+                return False
+            policy.remove(state, tier_index, victim)
+            del tier.entries[victim]
+            size = self.info(victim).nbytes
+            if tier_index == DEVICE and len(self._tiers) > HOST:
+                if self._room_sync(HOST, size, victim, now):
+                    host = self._tiers[HOST]
+                    host.entries[victim] = PRESENT
+                    policy.insert(state, HOST, victim, now)
+            tier.used -= size
+        tier.used += nbytes
+        return True
 
     # ----------------------------------------------------------------------------- miss path
 
@@ -222,7 +286,7 @@ class TieredCache:
                 future = self._read(key) if step[2] is None else None
                 return self._finish(key, step[1], step[2], future)
             transit = step[1]
-            transit.done.wait()
+            transit.wait()
             if transit.error is not None:
                 raise transit.error
             if transit.value is not None:
@@ -281,7 +345,7 @@ class TieredCache:
                 if in_l1:
                     with self._lock:
                         self._tiers[DEVICE].release(info.nbytes)
-                        self._room.notify_all()
+                        self._notify_room()
                 raise
             if not in_l1:
                 host_value = self._load_host(key, info.nbytes, value)
@@ -297,7 +361,7 @@ class TieredCache:
                 elif self._is_dirty(key) and key not in self._unwritten:
                     self._unwritten[key] = value  # never lose a runtime block
                 del self._inflight[key]
-                self._room.notify_all()
+                self._notify_room()
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(key, None)
@@ -321,7 +385,7 @@ class TieredCache:
         except BaseException:
             with self._lock:
                 self._tiers[HOST].release(nbytes)
-                self._room.notify_all()
+                self._notify_room()
             raise
 
     def _make_room(self, tier_index: int, nbytes: int, key: str | None) -> bool:
@@ -343,7 +407,11 @@ class TieredCache:
                         return False
                     # Every byte is reserved by transfers in flight: wait (without the lock)
                     # until one of them releases room.
-                    self._room.wait(0.01)
+                    self._room_waiters += 1
+                    try:
+                        self._room.wait(0.01)
+                    finally:
+                        self._room_waiters -= 1
                     continue
                 if key is not None and not self.policy.admit(self._pstate, key, victim):
                     return False
@@ -368,8 +436,13 @@ class TieredCache:
                     self._unwritten[key] = value  # written back later; readers are served from it
                 self._tiers[tier_index].release(nbytes)
                 transit = self._inflight.pop(key)
-                self._room.notify_all()
+                self._notify_room()
             transit.finish()
+
+    def _notify_room(self) -> None:
+        """Under the lock: wakes threads waiting for room (cheap when there are none)."""
+        if self._room_waiters:
+            self._room.notify_all()
 
     def _is_dirty(self, key: str) -> bool:
         """Under the lock: is L3 missing the latest value of runtime block ``key``?"""
@@ -498,7 +571,7 @@ class TieredCache:
                     self._inflight[key] = transit = _Transit()
                     self.policy.access(self._pstate, key, self._clock())
                     break
-            transit.done.wait()
+            transit.wait()
         try:
             if not self._make_room(DEVICE, info.nbytes, None):
                 raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
@@ -506,7 +579,7 @@ class TieredCache:
                 self._tiers[DEVICE].put_reserved(key, value)
                 self.policy.insert(self._pstate, DEVICE, key, self._clock())
                 del self._inflight[key]
-                self._room.notify_all()
+                self._notify_room()
         except BaseException as e:
             with self._lock:
                 self._unwritten[key] = value

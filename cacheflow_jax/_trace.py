@@ -1,0 +1,398 @@
+"""Access log v1 reader, and converters from other public trace formats into it.
+
+Every reader returns a `Trace`: columns of one access each (time, key, nbytes, kind, request).
+Formats:
+
+* ``log``: access log v1 (DESIGN.md), JSON Lines or CSV with the header ``t,key,nbytes,kind,req``.
+* ``mooncake``: Mooncake-style JSON Lines, one request per line with ``timestamp`` (ms) and
+  ``hash_ids``; each hash id becomes one access to key ``kv:<id>`` of ``block_bytes`` bytes (unit
+  size by default).
+* ``libcachesim-csv``: a CSV as libCacheSim reads it, with a column spec such as
+  ``"time=2,key=5,size=4,header=true"`` (1-based columns, like libCacheSim's ``-t``).
+* ``txt``: one key per line, unit size, ``t`` = line number.
+
+Gzip input (by its magic bytes) is read transparently. A malformed line is a `TraceFormatError`
+naming the file and the line number; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gzip
+import io
+import json
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+FORMATS = ("log", "mooncake", "libcachesim-csv", "txt")
+KINDS = ("weight", "embedding", "kv", "other")
+LOG_COLUMNS = ("t", "key", "nbytes", "kind", "req")
+
+
+class TraceFormatError(ValueError):
+    """A trace line could not be read; the message names the file and line."""
+
+
+@dataclasses.dataclass
+class Trace:
+    """An access trace in columns."""
+
+    path: str
+    t: np.ndarray  # float64 seconds, non-decreasing
+    keys: list[str]
+    nbytes: np.ndarray  # int64 > 0
+    kinds: list[str]
+    reqs: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def sizes(self) -> dict[str, int]:
+        """Each distinct key's size (its largest ``nbytes`` in the trace)."""
+        out: dict[str, int] = {}
+        for key, n in zip(self.keys, self.nbytes.tolist()):
+            if n > out.get(key, 0):
+                out[key] = n
+        return out
+
+    def distinct_bytes(self) -> int:
+        """The bytes of all distinct keys: the size of a cache that never misses twice."""
+        return sum(self.sizes().values())
+
+    def records(self) -> Iterator[dict]:
+        """The accesses as access log v1 dicts."""
+        for t, key, n, kind, req in zip(
+            self.t.tolist(), self.keys, self.nbytes.tolist(), self.kinds, self.reqs
+        ):
+            row = {"t": t, "key": key, "nbytes": n, "kind": kind}
+            if req is not None:
+                row["req"] = req
+            yield row
+
+    def slice(self, start: int, stop: int) -> Trace:
+        """The accesses ``start:stop`` as a new trace."""
+        return Trace(
+            self.path,
+            self.t[start:stop],
+            self.keys[start:stop],
+            self.nbytes[start:stop],
+            self.kinds[start:stop],
+            self.reqs[start:stop],
+        )
+
+
+def write_log(trace: Trace, path: str | os.PathLike) -> None:
+    """Writes a trace as access log v1 JSON Lines."""
+    with open(path, "w", encoding="utf-8") as f:
+        for row in trace.records():
+            f.write(json.dumps(row, separators=(", ", ": ")) + "\n")
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"trace file {path!r} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")  # noqa: SIM115 (returned to a with block)
+
+
+def guess_format(path: str) -> str:
+    """Guesses a trace's format from its name and first line."""
+    name = path.lower().removesuffix(".gz")
+    if name.endswith(".txt"):
+        return "txt"
+    with _open_text(path) as f:
+        first = f.readline().strip()
+    if first.startswith("{"):
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError:
+            return "log"
+        return "mooncake" if isinstance(row, dict) and "hash_ids" in row else "log"
+    if first.replace(" ", "").startswith("t,key,nbytes"):
+        return "log"
+    if "," in first:
+        return "libcachesim-csv"
+    return "txt"
+
+
+def read_trace(
+    path: str | os.PathLike,
+    *,
+    format: str | None = None,  # noqa: A002 (the CLI's word)
+    block_bytes: int = 1,
+    block_tokens: int = 512,
+    csv_spec: str | None = None,
+    limit: int | None = None,
+) -> Trace:
+    """Reads a trace file into a `Trace`.
+
+    Args:
+      path: the file (gzip or plain).
+      format: one of ``log``, ``mooncake``, ``libcachesim-csv``, ``txt``; guessed if None.
+      block_bytes: bytes per Mooncake block (1: unit size).
+      block_tokens: tokens per Mooncake block (recorded; the Mooncake trace uses 512).
+      csv_spec: libCacheSim CSV column spec, e.g. ``"time=2,key=5,size=4,header=true"``.
+      limit: read at most this many accesses.
+
+    Raises:
+      ValueError: unknown format, or an empty trace.
+      TraceFormatError: a malformed line (the message names the file and line).
+      FileNotFoundError: no such file.
+    """
+    path = os.fspath(path)
+    fmt = format or guess_format(path)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r} for {path}; choose one of {FORMATS}")
+    if block_bytes <= 0 or block_tokens <= 0:
+        raise ValueError(f"block_bytes={block_bytes} and block_tokens={block_tokens} must be > 0")
+    cols: tuple[list, list, list, list, list] = ([], [], [], [], [])
+    reader = {
+        "log": _read_log,
+        "mooncake": _read_mooncake,
+        "libcachesim-csv": _read_csv,
+        "txt": _read_txt,
+    }[fmt]
+    with _open_text(path) as f:
+        reader(f, path, cols, limit=limit, block_bytes=block_bytes, csv_spec=csv_spec)
+    t, keys, nbytes, kinds, reqs = cols
+    if not keys:
+        raise ValueError(f"trace {path} ({fmt}) holds no accesses; give a non-empty trace")
+    return Trace(path, np.asarray(t, np.float64), keys, np.asarray(nbytes, np.int64), kinds, reqs)
+
+
+def _fail(path: str, line: int, what: str) -> TraceFormatError:
+    return TraceFormatError(f"{path}:{line}: {what}")
+
+
+def _check_row(path: str, line: int, row: dict, last_t: float) -> tuple:
+    try:
+        t, key, nbytes, kind = row["t"], row["key"], row["nbytes"], row["kind"]
+    except KeyError as e:
+        raise _fail(path, line, f"missing field {e.args[0]!r}; need {LOG_COLUMNS[:4]}") from None
+    if isinstance(t, str):
+        try:
+            t = float(t)
+        except ValueError:
+            raise _fail(path, line, f"t={t!r} is not a number") from None
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise _fail(path, line, f"t={t!r} is not a finite number of seconds")
+    if t < last_t:
+        raise _fail(path, line, f"t={t} goes back in time (previous t={last_t})")
+    if not isinstance(key, str) or not key:
+        raise _fail(path, line, f"key={key!r} must be a non-empty string")
+    if isinstance(nbytes, str):
+        try:
+            nbytes = int(nbytes)
+        except ValueError:
+            raise _fail(path, line, f"nbytes={nbytes!r} is not an integer") from None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise _fail(path, line, f"nbytes={nbytes!r} must be an integer > 0")
+    if kind not in KINDS:
+        raise _fail(path, line, f"kind={kind!r} must be one of {KINDS}")
+    req = row.get("req")
+    if req == "":
+        req = None
+    if req is not None and not isinstance(req, str):
+        req = str(req)
+    return float(t), key, nbytes, kind, req
+
+
+def _append(cols: tuple, row: tuple) -> None:
+    for col, value in zip(cols, row):
+        col.append(value)
+
+
+def _read_log(f, path: str, cols: tuple, *, limit: int | None, **_) -> None:
+    first = f.readline()
+    last_t = -math.inf
+    if first.lstrip().startswith("{") or not first.strip():
+        lines = _chain_first(first, f)
+        for lineno, text in enumerate(lines, 1):
+            if limit is not None and len(cols[1]) >= limit:
+                return
+            if not text.strip():
+                raise _fail(path, lineno, "empty line")
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise _fail(path, lineno, f"not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise _fail(path, lineno, "expected a JSON object")
+            checked = _check_row(path, lineno, row, last_t)
+            last_t = checked[0]
+            _append(cols, checked)
+        return
+    header = [h.strip() for h in first.strip().split(",")]
+    if header[:4] != list(LOG_COLUMNS[:4]):
+        raise _fail(path, 1, f"CSV header {header} must be {','.join(LOG_COLUMNS)}")
+    for lineno, fields in enumerate(csv.reader(f), 2):
+        if limit is not None and len(cols[1]) >= limit:
+            return
+        if len(fields) not in (4, 5):
+            raise _fail(path, lineno, f"expected 4 or 5 fields, got {len(fields)}")
+        checked = _check_row(path, lineno, dict(zip(LOG_COLUMNS, fields)), last_t)
+        last_t = checked[0]
+        _append(cols, checked)
+
+
+def _chain_first(first: str, f) -> Iterator[str]:
+    if first:
+        yield first
+    yield from f
+
+
+def _read_mooncake(f, path: str, cols: tuple, *, limit: int | None, block_bytes: int, **_) -> None:
+    t_col, k_col, n_col, kind_col, r_col = cols
+    last_t = -math.inf
+    for lineno, text in enumerate(f, 1):
+        try:
+            row = json.loads(text)
+            ts, ids = row["timestamp"], row["hash_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise _fail(path, lineno, f"not a Mooncake request (need timestamp, hash_ids): {e}") \
+                from None
+        if not isinstance(ts, (int, float)) or not isinstance(ids, list):
+            raise _fail(path, lineno, "timestamp must be a number and hash_ids a list")
+        t = ts / 1000.0
+        if t < last_t:
+            raise _fail(path, lineno, f"timestamp {ts} goes back in time")
+        last_t = t
+        req = f"r{lineno}"
+        for h in ids:
+            if limit is not None and len(k_col) >= limit:
+                return
+            t_col.append(t)
+            k_col.append(f"kv:{h}")
+            n_col.append(block_bytes)
+            kind_col.append("kv")
+            r_col.append(req)
+
+
+def parse_csv_spec(spec: str | None) -> dict:
+    """Parses a libCacheSim-style column spec ``"time=2,key=5,size=4,header=true,delim=,"``."""
+    out = {"time": None, "key": None, "size": None, "header": None, "delim": ","}
+    if not spec:
+        return out
+    for part in spec.split(","):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip().removesuffix("-col").replace("obj-id", "key").replace("obj-size", "size")
+        if not sep or name not in out:
+            raise ValueError(f"bad column spec entry {part!r} in {spec!r}; use e.g. "
+                             "'time=2,key=5,size=4,header=true'")
+        if name == "header":
+            out[name] = value.strip().lower() in ("1", "true", "yes")
+        elif name == "delim":
+            out[name] = value or ","
+        else:
+            out[name] = int(value) - 1
+    return out
+
+
+def _read_csv(f, path: str, cols: tuple, *, limit: int | None, csv_spec: str | None, **_) -> None:
+    spec = parse_csv_spec(csv_spec)
+    reader = csv.reader(f, delimiter=spec["delim"])
+    first = next(reader, None)
+    if first is None:
+        return
+    names = [c.strip().lower() for c in first]
+    has_header = spec["header"]
+    if has_header is None:
+        has_header = not all(_is_number(c) for c in first)
+    if has_header and spec["key"] is None:
+        for field, choices in (("time", ("time", "timestamp", "clock_time")),
+                               ("key", ("obj_id", "key", "lbn", "lba", "id")),
+                               ("size", ("size", "obj_size", "nbytes"))):
+            spec[field] = next((names.index(c) for c in choices if c in names), spec[field])
+    if spec["key"] is None:
+        raise _fail(path, 1, "cannot tell which column is the key; give a column spec such as "
+                    "'time=2,key=5,size=4,header=true'")
+    rows = reader if has_header else _chain_first_row(first, reader)
+    start = 2 if has_header else 1
+    last_t = -math.inf
+    tc, kc, sc = spec["time"], spec["key"], spec["size"]
+    for lineno, fields in enumerate(rows, start):
+        if limit is not None and len(cols[1]) >= limit:
+            return
+        try:
+            t = float(fields[tc]) if tc is not None else float(lineno - start)
+            key = fields[kc].strip()
+            size = int(float(fields[sc])) if sc is not None else 1
+        except (IndexError, ValueError) as e:
+            raise _fail(path, lineno, f"bad row {fields!r}: {e}") from None
+        if not key:
+            raise _fail(path, lineno, "empty key")
+        if size <= 0:
+            raise _fail(path, lineno, f"size {size} must be > 0")
+        last_t = max(last_t, t)  # libCacheSim tolerates small reorderings; keep t monotone
+        _append(cols, (last_t, key, size, "other", None))
+
+
+def _chain_first_row(first: list, reader) -> Iterator[list]:
+    yield first
+    yield from reader
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_txt(f, path: str, cols: tuple, *, limit: int | None, **_) -> None:
+    for lineno, text in enumerate(f, 1):
+        if limit is not None and len(cols[1]) >= limit:
+            return
+        key = text.strip()
+        if not key:
+            raise _fail(path, lineno, "empty line; one key per line expected")
+        _append(cols, (float(lineno - 1), key, 1, "other", None))
+
+
+def parse_size(text: str | int, *, total: int, largest: int, setting: str) -> int:
+    """Parses a byte size: ``1024``, ``64KiB``, ``1.5GiB`` or ``5%`` (of ``total``, rounded down).
+
+    Raises:
+      ValueError: unparsable, negative, or a plain number smaller than the largest object (the
+        message suggests a unit or a percentage).
+    """
+    if isinstance(text, int):
+        value, unitless = text, True
+    else:
+        s = text.strip()
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+                 "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+        unitless = False
+        try:
+            if s.endswith("%"):
+                value = int(total * float(s[:-1]) / 100)
+            else:
+                low = s.lower()
+                unit = next((u for u in units if low.endswith(u)), None)
+                if unit is None:
+                    value, unitless = int(float(s)), True
+                else:
+                    value = int(float(low[: -len(unit)]) * units[unit])
+        except ValueError:
+            raise ValueError(
+                f"{setting}={text!r} is not a size; use bytes with an optional unit "
+                "(1048576, 64KiB, 2GiB) or a percentage of the trace's distinct bytes (5%)"
+            ) from None
+    if value < 0:
+        raise ValueError(f"{setting}={text!r} is negative")
+    if unitless and 0 < value < largest:
+        raise ValueError(
+            f"{setting}={text!r} has no unit and is smaller than the trace's largest object "
+            f"({largest} bytes); did you mean {text}% or {text}MiB?"
+        )
+    return value

@@ -1,0 +1,212 @@
+"""Trace readers, replay, Belady, and agreement with libCacheSim."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cacheflow_jax as cfj
+from cacheflow_jax._cache import TieredCache
+from cacheflow_jax._replay import TraceStore, belady, next_uses, replay
+from cacheflow_jax._tiers import MetadataTier
+from cacheflow_jax._trace import Trace, TraceFormatError, parse_size, read_trace, write_log
+
+TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+MOONCAKE = os.path.join(TRACES, "mooncake_synthetic_trace.jsonl")
+CLOUDPHYSICS = os.path.join(TRACES, "cloudPhysicsIO.csv.gz")
+
+
+def _trace(keys, sizes=None) -> Trace:
+    n = len(keys)
+    return Trace(
+        "mem",
+        np.arange(n, dtype=np.float64),
+        list(keys),
+        np.asarray(sizes if sizes is not None else [1] * n, np.int64),
+        ["other"] * n,
+        [None] * n,
+    )
+
+
+# ------------------------------------------------------------------------------- readers
+
+
+def test_log_jsonl_and_csv_read_the_same(tmp_path):
+    rows = [
+        {"t": 0.5, "key": "params/w@0,1", "nbytes": 64, "kind": "weight", "req": "r1"},
+        {"t": 0.5, "key": "kv:9", "nbytes": 16, "kind": "kv"},
+        {"t": 2.0, "key": "emb@3", "nbytes": 8, "kind": "embedding", "req": "r2"},
+    ]
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cs = tmp_path / "a.csv"
+    cs.write_text("t,key,nbytes,kind,req\n0.5,\"params/w@0,1\",64,weight,r1\n0.5,kv:9,16,kv,\n"
+                  "2.0,emb@3,8,embedding,r2\n")
+    for path in (jl, cs):
+        trace = read_trace(path)
+        assert list(trace.records()) == rows
+    gz = tmp_path / "a.jsonl.gz"
+    gz.write_bytes(gzip.compress(jl.read_bytes()))
+    assert list(read_trace(gz).records()) == rows
+    out = tmp_path / "round.jsonl"
+    write_log(read_trace(cs), out)
+    assert list(read_trace(out).records()) == rows
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "what"),
+    [
+        ('{"t": 1, "key": "a", "nbytes": 1, "kind": "kv"}\n{"t": 0, "key": "a", "nbytes": 1, '
+         '"kind": "kv"}\n', 2, "back in time"),
+        ('{"t": 1, "key": "a", "nbytes": 0, "kind": "kv"}\n', 1, "nbytes"),
+        ('{"t": 1, "key": "a", "nbytes": 1, "kind": "blob"}\n', 1, "kind"),
+        ('{"t": 1, "key": "a", "nbytes": 1, "kind": "kv"}\n{oops\n', 2, "not JSON"),
+        ('{"t": 1, "nbytes": 1, "kind": "kv"}\n', 1, "missing field 'key'"),
+    ],
+)
+def test_malformed_lines_name_file_and_line(tmp_path, text, line, what):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match=rf"bad.jsonl:{line}: .*{what}"):
+        read_trace(path, format="log")
+
+
+def test_mooncake_converter_and_unit_sizes(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1500, "hash_ids": [1]}\n')
+    trace = read_trace(path)
+    assert trace.keys == ["kv:1", "kv:2", "kv:1"]
+    assert trace.t.tolist() == [0.0, 0.0, 1.5]
+    assert trace.nbytes.tolist() == [1, 1, 1] and trace.kinds == ["kv"] * 3
+    assert read_trace(path, block_bytes=4096).nbytes.tolist() == [4096] * 3
+
+
+def test_libcachesim_csv_with_column_spec(tmp_path):
+    path = tmp_path / "c.csv"
+    path.write_text("1,10,r,512,77\n1,11,r,1024,78\n1,12,r,512,77\n")
+    trace = read_trace(path, format="libcachesim-csv", csv_spec="time=2,key=5,size=4,header=false")
+    assert trace.keys == ["77", "78", "77"] and trace.nbytes.tolist() == [512, 1024, 512]
+    assert trace.distinct_bytes() == 1536
+
+
+def test_txt_and_empty_and_unknown_format(tmp_path):
+    path = tmp_path / "k.txt"
+    path.write_text("a\nb\na\n")
+    assert read_trace(path).keys == ["a", "b", "a"]
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no accesses"):
+        read_trace(empty, format="log")
+    with pytest.raises(ValueError, match="unknown trace format 'parquet'"):
+        read_trace(path, format="parquet")
+
+
+def test_parse_size():
+    assert parse_size("5%", total=1000, largest=1, setting="s") == 50
+    assert parse_size("2KiB", total=0, largest=1, setting="s") == 2048
+    assert parse_size("1.5MiB", total=0, largest=1, setting="s") == 1572864
+    assert parse_size("4096", total=0, largest=512, setting="s") == 4096
+    with pytest.raises(ValueError, match="--device-bytes='5' has no unit.*512 bytes"):
+        parse_size("5", total=10**6, largest=512, setting="--device-bytes")
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots", total=1, largest=1, setting="s")
+
+
+def test_shared_traces_read():
+    trace = read_trace(MOONCAKE)
+    assert len(trace) == 121_877 and len(set(trace.keys)) == 43_924
+    cp = read_trace(CLOUDPHYSICS)
+    assert len(cp) == 113_872 and cp.nbytes.min() > 0
+
+
+# -------------------------------------------------------------------------------- replay
+
+
+def _live(trace: Trace, policy, device: int, host: int) -> TieredCache:
+    """The threaded `get` path over metadata tiers, with the trace's clock."""
+    clock = [0.0]
+    cache = TieredCache(
+        TraceStore(trace),
+        device_bytes=device,
+        host_bytes=host,
+        policy=policy,
+        clock=lambda: clock[0],
+        tiers=[MetadataTier(device, name="device", setting="device_bytes"),
+               MetadataTier(host, name="host", setting="host_bytes")],
+        read_buffer=1,
+    )
+    for t, key in zip(trace.t.tolist(), trace.keys):
+        clock[0] = t
+        cache.get(key)
+    return cache
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-plain", "belady"])
+@pytest.mark.parametrize(("device", "host"), [(40, 0), (30, 90)])
+def test_replay_fast_path_equals_live_get_path(policy, device, host):
+    trace = read_trace(MOONCAKE, limit=4000)
+    fast = replay(trace, device_bytes=device, host_bytes=host, policy=policy)
+    pol = belady(trace) if policy == "belady" else policy
+    live = _live(trace, pol, device, host).stats()
+    for field in ("requests", "hits", "misses", "byte_miss_ratio", "tiers"):
+        assert fast[field] == live[field], field
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.10, 0.20])
+def test_lru_equals_libcachesim_lru(fraction):
+    lcs = pytest.importorskip("libcachesim", reason="libcachesim is in the test extra")
+    trace = read_trace(MOONCAKE, limit=30_000)
+    size = int(len(set(trace.keys)) * fraction)
+    ours = replay(trace, device_bytes=size, host_bytes=0, policy="lru")
+    peer = lcs.LRU(cache_size=size)
+    misses = sum(
+        not peer.get(lcs.Request(obj_id=int(k[3:]), obj_size=1, clock_time=i))
+        for i, k in enumerate(trace.keys)
+    )
+    assert ours["misses"] == misses
+
+
+def test_two_tiers_lru_equal_one_tier_of_the_sum():
+    trace = read_trace(MOONCAKE, limit=20_000)
+    one = replay(trace, device_bytes=500, host_bytes=0, policy="lru")
+    two = replay(trace, device_bytes=100, host_bytes=400, policy="lru")
+    assert two["misses"] == one["misses"]
+    assert two["hits"]["host"] > 0
+
+
+def test_next_uses():
+    assert next_uses(["a", "b", "a", "c", "b"]).tolist() == [2, 4, 5, 5, 5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 12), min_size=1, max_size=120),
+    capacity=st.integers(1, 6),
+)
+def test_belady_is_never_worse_than_any_policy(keys, capacity):
+    trace = _trace([f"k{k}" for k in keys])
+    opt = replay(trace, device_bytes=capacity, host_bytes=0, policy="belady")["misses"]
+    for policy in ("lru", "lfu", "lfu-plain", cfj.lfu(half_life=3.0)):
+        assert opt <= replay(trace, device_bytes=capacity, host_bytes=0, policy=policy)["misses"]
+
+
+def test_belady_matches_the_shared_reference_figures():
+    trace = read_trace(MOONCAKE)
+    n = len(set(trace.keys))
+    for fraction, want in ((0.01, 0.815), (0.10, 0.494)):
+        got = replay(trace, device_bytes=int(n * fraction), host_bytes=0, policy="belady")
+        assert abs(got["miss_ratio"] - want) < 0.001
+
+
+def test_replay_bad_budgets():
+    trace = _trace(["a", "b"], sizes=[100, 100])
+    with pytest.raises(cfj.BudgetError, match="device_bytes=5 is smaller than the largest"):
+        replay(trace, device_bytes=5, host_bytes=0)
+    with pytest.raises(cfj.BudgetError, match="host_bytes=-1 is negative"):
+        replay(trace, device_bytes=100, host_bytes=-1)
