@@ -24,8 +24,8 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from _thread import allocate_lock as _allocate_lock
 import time
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -264,11 +264,10 @@ class TieredCache:
             policy.remove(state, tier_index, victim)
             del tier.entries[victim]
             size = self.info(victim).nbytes
-            if tier_index == DEVICE and len(self._tiers) > HOST:
-                if self._room_sync(HOST, size, victim, now):
-                    host = self._tiers[HOST]
-                    host.entries[victim] = PRESENT
-                    policy.insert(state, HOST, victim, now)
+            demote = tier_index == DEVICE and len(self._tiers) > HOST
+            if demote and self._room_sync(HOST, size, victim, now):
+                self._tiers[HOST].entries[victim] = PRESENT
+                policy.insert(state, HOST, victim, now)
             tier.used -= size
         tier.used += nbytes
         return True
