@@ -4,6 +4,7 @@ Public surface (see DESIGN.md): `open_store`, `write_store`, `TieredCache`, `ser
 `lfu`, `lru`, `lfu_plain`, and `cacheflow_jax.orbax.restore_lazy`.
 """
 
+from cacheflow_jax import orbax  # noqa: E402  (cfj.orbax.restore_lazy)
 from cacheflow_jax._blocks import (
     ArrayInfo,
     BlockInfo,
@@ -18,11 +19,13 @@ from cacheflow_jax._cache import Prefetcher, TieredCache, kind_of
 from cacheflow_jax._policy import Policy, get_policy, lfu, lfu_plain, lru
 from cacheflow_jax._serving import ServingSession, serving
 from cacheflow_jax._store import TensorStoreStore, open_store, write_store
+from cacheflow_jax.orbax import LazyArray, materialize, restore_lazy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArrayInfo",
+    "LazyArray",
     "BlockInfo",
     "BudgetError",
     "CorruptBlockError",
@@ -39,8 +42,11 @@ __all__ = [
     "lfu",
     "lfu_plain",
     "lru",
+    "materialize",
+    "orbax",
     "open_store",
     "parse_key",
+    "restore_lazy",
     "serving",
     "write_store",
 ]

@@ -161,8 +161,10 @@ class TieredCache:
 
     # ------------------------------------------------------------------------------ hit path
 
-    def get(self, key: str) -> jax.Array:
+    def get(self, key: str, req: str | None = None) -> jax.Array:
         """Returns the block ``key`` as a device array, loading it through L2/L3 on a miss.
+
+        ``req`` (a request id) is for the access log of a `serving` session; the cache ignores it.
 
         Raises:
           KeyError: no block ``key`` in the store or among runtime blocks.
@@ -177,7 +179,7 @@ class TieredCache:
             return value
         return self._get_slow(key)
 
-    def get_many(self, keys: Iterable[str]) -> list[jax.Array]:
+    def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
         """Returns several blocks; all the L3 reads among them are issued at once."""
         keys = list(keys)
         out: dict[str, Any] = {}

@@ -180,12 +180,15 @@ def belady(trace: Trace, *, size_aware: bool | None = None) -> Policy:
             return top
         now = state.position[0]
         heap, resident, next_use = state.heaps[tier], state.resident[tier], state.next_use
-        best, best_score = top, -1.0
-        for p, key in heapq.nsmallest(16, heap):
+        # Pop the 16 farthest valid entries (O(16 log n)), score them, push them back.
+        taken = []
+        while heap and len(taken) < 16:
+            p, key = heapq.heappop(heap)
             if key in resident and -p == next_use[key]:
-                score = (next_use[key] - now) * state.sizes[key]
-                if score > best_score:
-                    best, best_score = key, score
+                taken.append((p, key))
+        best = max(taken, key=lambda e: (next_use[e[1]] - now) * state.sizes[e[1]])[1]
+        for entry in taken:
+            heapq.heappush(heap, entry)
         return best
 
     def admit(state: BeladyState, key: str, victim_key: str) -> bool:

@@ -35,12 +35,12 @@ class ServingSession:
             self.get = cache.get  # type: ignore[method-assign]
             self.get_many = cache.get_many  # type: ignore[method-assign]
 
-    def get(self, key: str, *, req: str | None = None) -> jax.Array:
+    def get(self, key: str, req: str | None = None) -> jax.Array:
         """Returns block ``key`` on the device (see `TieredCache.get`) and logs the access."""
         self._log.record(key, req)
         return self.cache.get(key)
 
-    def get_many(self, keys: Iterable[str], *, req: str | None = None) -> list[jax.Array]:
+    def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
         """Returns several blocks, reading all misses from L3 in parallel."""
         keys = list(keys)
         self._log.record_many(keys, req)
