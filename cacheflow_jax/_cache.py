@@ -498,18 +498,20 @@ class TieredCache:
     def _drain(self) -> None:
         """Under the lock: applies buffered hits to the policy."""
         reads = self._reads
-        if not reads:
+        count = len(reads)  # hits buffered after this snapshot wait for the next drain
+        if not count:
             return
         now = self._clock()
-        access, state, n, info = self.policy.access, self._pstate, self._n, self.info
-        while reads:
-            try:
-                key = reads.popleft()
-            except IndexError:
-                break
-            n["device"] += 1
-            n["bytes"] += info(key).nbytes
+        access, state, popleft = self.policy.access, self._pstate, reads.popleft
+        runtime, store_info = self._runtime, self.store.info
+        nbytes = 0
+        for _ in range(count):
+            key = popleft()
+            nbytes += (runtime.get(key) or store_info(key)).nbytes
             access(state, key, now)
+        n = self._n
+        n["device"] += count
+        n["bytes"] += nbytes
         self._expire(now)
 
     def _expire(self, now: float) -> None:

@@ -1,4 +1,4 @@
-"""The ``cacheflow`` command: ``inspect`` a store or checkpoint, run the ``demo``.
+"""The ``cacheflow`` command: ``inspect`` a store or checkpoint, run the ``demo``, ``replay`` a trace.
 
 Thin on purpose: each subcommand parses its arguments and calls library code. A user error (a
 missing path, a bad size, a store that is not one) prints one line, ``cacheflow <cmd>: error:
@@ -239,6 +239,97 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# replay
+
+_REPLAY_COLUMNS = (
+    ("size", "size"),
+    ("device_bytes", "device B"),
+    ("host_bytes", "host B"),
+    ("requests", "requests"),
+    ("hits.device", "L1 hits"),
+    ("hits.host", "L2 hits"),
+    ("misses", "misses"),
+    ("device_miss_ratio", "L1 miss"),
+    ("miss_ratio", "miss ratio"),
+    ("byte_miss_ratio", "byte miss"),
+    ("accesses_per_second", "acc/s"),
+)
+
+
+def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Reads the trace and replays it once per size; returns the replay JSON of each run."""
+    from cacheflow_jax._replay import replay
+    from cacheflow_jax._trace import parse_size as parse_trace_size
+    from cacheflow_jax._trace import read_trace
+
+    trace = read_trace(
+        args.trace, format=args.format, block_bytes=args.block_bytes, csv_spec=args.csv_spec
+    )
+    total = trace.distinct_bytes()
+    largest = int(trace.nbytes.max())
+    if args.sizes:
+        sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    elif args.device_bytes is not None:
+        sizes = [args.device_bytes]
+    else:
+        raise UserError("give --device-bytes SIZE or --sizes 1%,5%,... (see --help)")
+    host = parse_trace_size(args.host_bytes, total=total, largest=largest, setting="--host-bytes")
+    runs = []
+    for size in sizes:
+        device = parse_trace_size(size, total=total, largest=largest, setting="--device-bytes")
+        stats = replay(
+            trace,
+            device_bytes=device,
+            host_bytes=host,
+            policy=args.policy,
+            progress=not args.no_progress,
+        )
+        stats["size"] = size
+        stats["distinct_bytes"] = total
+        runs.append(stats)
+    return runs
+
+
+def _field(stats: dict[str, Any], name: str) -> Any:
+    value: Any = stats
+    for part in name.split("."):
+        value = value[part]
+    return value
+
+
+def format_replay(runs: list[dict[str, Any]]) -> str:
+    """The replay runs as one table, a row per size."""
+    cells = [tuple(title for _, title in _REPLAY_COLUMNS)]
+    for stats in runs:
+        row = []
+        for name, _ in _REPLAY_COLUMNS:
+            value = _field(stats, name)
+            if isinstance(value, float):
+                row.append(f"{value:,.0f}" if name == "accesses_per_second" else f"{value:.4f}")
+            else:
+                row.append(str(value))
+        cells.append(tuple(row))
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    first = runs[0]
+    lines.append(
+        f"{first['trace']}: policy {first['policy']['name']}, "
+        f"{first['distinct_bytes']} distinct bytes"
+    )
+    return "\n".join(lines)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    runs = run_replay(args)
+    if args.json:
+        print(json.dumps(runs[0] if len(runs) == 1 and not args.sizes else runs, indent=1))
+    else:
+        print(format_replay(runs))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # main
 
 
@@ -316,6 +407,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_positive_int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=_nonnegative_int, default=5, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "replay",
+        help="replay a trace through the cache (metadata only) and report hits and misses",
+        description="Drive the live cache's TieredCache and policy objects over a trace, with a "
+        "store that holds metadata only, and report the counters (DESIGN.md replay JSON). "
+        "SIZE is bytes with an optional unit (64KiB, 2GiB) or a percentage of the trace's "
+        "distinct bytes (5%%).",
+    )
+    p.add_argument("trace", metavar="TRACE", help="trace file (gzip is read transparently)")
+    p.add_argument(
+        "--format",
+        choices=("log", "mooncake", "libcachesim-csv", "txt"),
+        help="trace format (default: guessed from the name and first line)",
+    )
+    p.add_argument("--device-bytes", metavar="SIZE", help="L1 budget")
+    p.add_argument("--host-bytes", metavar="SIZE", default="0", help="L2 budget (0: no L2)")
+    p.add_argument("--sizes", metavar="LIST", help="comma-separated L1 sizes: a miss-ratio curve")
+    p.add_argument(
+        "--policy", choices=("lfu", "lru", "lfu-plain", "belady"), default="lfu",
+        help="eviction policy (belady: the offline optimum; replay only)",
+    )
+    p.add_argument("--block-bytes", type=_positive_int, default=1, metavar="N",
+                   help="mooncake: bytes per KV block (default 1: unit size)")
+    p.add_argument("--csv-spec", metavar="SPEC",
+                   help="libcachesim-csv column spec, e.g. time=2,key=5,size=4,header=true")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_replay)
     return parser
 
 

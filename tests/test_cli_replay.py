@@ -1,0 +1,76 @@
+"""``cacheflow replay``: output shape, curves and bad input (exit status 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from cacheflow_jax.cli import main
+
+TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+MOONCAKE = os.path.join(TRACES, "mooncake_synthetic_trace.jsonl")
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    path = tmp_path / "small.jsonl"
+    with open(MOONCAKE) as src, open(path, "w") as dst:
+        for _ in range(300):
+            dst.write(src.readline())
+    return str(path)
+
+
+def test_replay_json_has_the_design_fields(small_trace, capsys):
+    rc = main(["replay", small_trace, "--device-bytes", "5%", "--host-bytes", "10%", "--json",
+               "--no-progress"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for field in ("requests", "misses", "device_miss_ratio", "miss_ratio", "byte_miss_ratio",
+                  "policy"):
+        assert field in out
+    assert set(out["hits"]) == {"device", "host"}
+    assert set(out["prefetch"]) == {"issued", "used", "accuracy", "coverage"}
+    assert out["requests"] == out["hits"]["device"] + out["hits"]["host"] + out["misses"]
+    assert out["hits"]["host"] > 0
+
+
+def test_replay_curve_table_and_json(small_trace, capsys):
+    assert main(["replay", small_trace, "--sizes", "1%,10%", "--policy", "lru",
+                 "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "miss ratio" in table and " 1%" in table and "10%" in table
+    assert main(["replay", small_trace, "--sizes", "1%,10%", "--json", "--no-progress"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert [r["size"] for r in runs] == ["1%", "10%"]
+    assert runs[0]["miss_ratio"] >= runs[1]["miss_ratio"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--format", "parquet", "--device-bytes", "1%"], "invalid choice: 'parquet'"),
+        (["--device-bytes", "5", "--block-bytes", "4096"], "has no unit"),
+        (["--device-bytes", "lots"], "not a size"),
+        ([], "give --device-bytes"),
+    ],
+)
+def test_replay_bad_input_exits_2(small_trace, capsys, args, message):
+    assert main(["replay", small_trace, "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_replay_empty_trace_exits_2(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["replay", str(empty), "--format", "log", "--device-bytes", "10"]) == 2
+    assert "holds no accesses" in capsys.readouterr().err
+
+
+def test_replay_malformed_line_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t": 0, "key": "a", "nbytes": 1, "kind": "kv"}\n{"t": 1, "key": 3}\n')
+    assert main(["replay", str(bad), "--format", "log", "--device-bytes", "10"]) == 2
+    assert "bad.jsonl:2:" in capsys.readouterr().err
