@@ -2,6 +2,10 @@
 
 Run: ``python -m bench.policies [--traces PATH ...] [--sizes 1%,5%,10%,20%] [--out bench/out]``
 
+Besides the shared traces it replays an access log recorded from ``cacheflow demo`` (weights of a
+mixture-of-experts model, 1 MiB expert blocks); the log is recorded once into
+``<out>/demo_access.jsonl`` (``--no-demo`` skips it).
+
 For every trace it replays our policies through `cacheflow_jax.replay` (the live cache's objects)
 and the `libcachesim` package's LRU, ARC, LIRS, S3-FIFO, SIEVE, W-TinyLFU and LFU on the same
 accesses with the same byte budgets (object size = the access's ``nbytes``), in one run. It writes
@@ -167,6 +171,21 @@ def plot(results: dict, sizes: list[str], out_dir: str) -> list[str]:
     return files
 
 
+def demo_log(out_dir: str) -> str:
+    """Records (once) the access log of ``cacheflow demo``'s cacheflow pass; returns its path."""
+    path = os.path.abspath(os.path.join(out_dir, "demo_access.jsonl"))
+    if not os.path.exists(path):
+        import subprocess
+
+        workdir = os.path.abspath(os.path.join(out_dir, "demo"))
+        subprocess.run(
+            [sys.executable, "-m", "cacheflow_jax.cli", "demo", "--workdir", workdir,
+             "--requests", "300", "--seed", "0", "--access-log", path, "--no-progress"],
+            check=True,
+        )
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.policies",
@@ -177,10 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1%,5%,10%,20%")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-demo", action="store_true", help="skip the demo's access log")
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
     os.makedirs(args.out, exist_ok=True)
-    results = run(args.traces, sizes, workers=args.workers)
+    traces = list(args.traces)
+    if not args.no_demo:
+        traces.append(demo_log(args.out))
+    results = run(traces, sizes, workers=args.workers)
     table = markdown(results, sizes)
     stamp = time.strftime("%Y-%m-%d")
     header = (

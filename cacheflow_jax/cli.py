@@ -213,7 +213,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from cacheflow_jax._demo import DemoSettings, format_table, run_demo
 
     settings = DemoSettings(
-        workdir=Path(args.workdir).expanduser() if args.workdir else None,
+        workdir=Path(args.workdir).expanduser().resolve() if args.workdir else None,
         requests=args.requests,
         warmup=args.warmup,
         seed=args.seed,
