@@ -138,6 +138,8 @@ class TieredCache:
         self.prefetcher = prefetcher
         self._clock = clock
         self._pstate = self.policy.init(len(self._tiers))
+        self._has_ttl = self.policy.describe(self._pstate).get("ttl") is not None
+        self._store_info = store.info
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever tier bytes are released
         self._room_waiters = 0
@@ -233,19 +235,19 @@ class TieredCache:
         locking machinery that concurrent data movement needs. Not for runtime blocks.
         """
         now = self._clock()
+        nbytes = (self._runtime.get(key) or self._store_info(key)).nbytes
         if key in self._l1:
-            self._account(key, "device", now)
+            self._account(key, "device", now, nbytes)
             return
-        nbytes = self.info(key).nbytes
         policy, state, tiers = self.policy, self._pstate, self._tiers
         host = tiers[HOST] if len(tiers) > HOST else None
         if host is not None and key in host.entries:
-            self._account(key, "host", now)
+            self._account(key, "host", now, nbytes)
             policy.remove(state, HOST, key)
             del host.entries[key]
             host.used -= nbytes
         else:
-            self._account(key, "miss", now)
+            self._account(key, "miss", now, nbytes)
         if self._room_sync(DEVICE, nbytes, key, now):
             self._l1[key] = PRESENT
             policy.insert(state, DEVICE, key, now)
@@ -265,7 +267,7 @@ class TieredCache:
                 return False
             policy.remove(state, tier_index, victim)
             del tier.entries[victim]
-            size = self.info(victim).nbytes
+            size = (self._runtime.get(victim) or self._store_info(victim)).nbytes
             demote = tier_index == DEVICE and len(self._tiers) > HOST
             if demote and self._room_sync(HOST, size, victim, now):
                 self._tiers[HOST].entries[victim] = PRESENT
@@ -302,7 +304,7 @@ class TieredCache:
         now = self._clock()
         value = self._l1.get(key)
         if value is not None:
-            self._account(key, "device", now)
+            self._account(key, "device", now, self.info(key).nbytes)
             return ("hit", value)
         transit = self._inflight.get(key)
         if transit is not None:
@@ -310,29 +312,29 @@ class TieredCache:
         info = self.info(key)
         host = self._tiers[HOST] if len(self._tiers) > HOST else None
         if host is not None and key in host.entries:
-            self._account(key, "host", now)
+            self._account(key, "host", now, info.nbytes)
             # The block leaves L2 now; its bytes are released so that L1's victim can take them.
             self.policy.remove(self._pstate, HOST, key)
             value = host.pop(key)
             host.release(info.nbytes)
         elif key in self._unwritten:
-            self._account(key, "host", now)
+            self._account(key, "host", now, info.nbytes)
             value = self._unwritten[key]
         else:
-            self._account(key, "miss", now)
+            self._account(key, "miss", now, info.nbytes)
             value = None
         self._inflight[key] = _Transit()
         return ("own", info, value)
 
-    def _account(self, key: str, where: str, now: float) -> None:
+    def _account(self, key: str, where: str, now: float, nbytes: int) -> None:
         n = self._n
         n[where] += 1
-        nbytes = self.info(key).nbytes
         n["bytes"] += nbytes
         if where == "miss":
             n["miss_bytes"] += nbytes
         self.policy.access(self._pstate, key, now)
-        self._expire(now)
+        if self._has_ttl:
+            self._expire(now)
 
     def _finish(self, key: str, info: BlockInfo, source: Any, future: Any) -> Any:
         """Outside the lock: make room, finish the read, install in L1 (or L2), wake waiters."""
@@ -512,7 +514,8 @@ class TieredCache:
         n = self._n
         n["device"] += count
         n["bytes"] += nbytes
-        self._expire(now)
+        if self._has_ttl:
+            self._expire(now)
 
     def _expire(self, now: float) -> None:
         """Under the lock: evicts residents past the policy's TTL (dirty ones go to L3)."""

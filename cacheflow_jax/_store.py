@@ -29,7 +29,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import threading
+import time
 import types
 import urllib.parse
 import zlib
@@ -41,6 +43,11 @@ import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16, float8_*, int4 with numpy by name)
 import numpy as np
 import tensorstore as ts
+
+try:
+    import google_crc32c
+except ImportError:  # a declared dependency; without it every chunk is read by TensorStore
+    google_crc32c = None
 
 from cacheflow_jax._blocks import (
     KEY_SEPARATOR,
@@ -80,6 +87,46 @@ _RUNTIME_PREFIX = "_runtime/"
 _RUNTIME_SUFFIX = ".block"
 _ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt")
 _ATTR = "cacheflow"
+
+# The fast chunk path (see TensorStoreStore.read): zarr3 chunks whose codecs are exactly
+# bytes (little endian) + crc32c are read as raw chunk files with the kvstore and checked here.
+# google_crc32c's C implementation runs at several GB/s and releases the GIL for bytes objects
+# of 1 MiB and more; its pure-Python fallback would be far slower than TensorStore, so only the
+# C one is used.
+_CRC32C: Callable[[bytes], int] | None = (
+    google_crc32c.value
+    if google_crc32c is not None and getattr(google_crc32c, "implementation", "") == "c"
+    else None
+)
+# CRC-32C of (data + its own CRC-32C, little endian) is this constant for every data, so a chunk
+# file is checked with one pass over the whole bytes object (no copy of the payload).
+_CRC32C_RESIDUE = 0x48674BC7
+# zarr3 data types whose ``bytes`` codec layout is numpy's little-endian layout of the same
+# dtype. bool is left to TensorStore (a stored byte other than 0/1 must not become a bool), and
+# so are packed sub-byte types (int4, ...).
+_FAST_DTYPES = frozenset(
+    {
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+    }
+)
 
 _RUNTIME_FORMAT = """\
 A runtime block file (``_runtime/<percent-encoded key>.block``) is:
@@ -143,7 +190,7 @@ class _ChunkFuture:
         """
         try:
             return self._future.result(timeout=timeout)
-        except TimeoutError:
+        except (TimeoutError, StoreError):
             raise
         except Exception as err:  # TensorStore raises ValueError carrying an absl status
             raise _translate(err, self._key, self._store, self._where) from err
@@ -155,6 +202,95 @@ class _ChunkFuture:
     def add_done_callback(self, fn: Callable[[_ChunkFuture], object]) -> None:
         """Calls ``fn(self)`` when the read finishes (on a TensorStore thread)."""
         self._future.add_done_callback(lambda _: fn(self))
+
+
+class _FastChunkFuture:
+    """A pending raw chunk-file read (the fast path); ``result()`` checks and wraps the bytes.
+
+    The CRC check and ``np.frombuffer`` run in ``result()``, on the caller's thread: the reads
+    themselves run in parallel on TensorStore's I/O threads, and a caller that waits for the
+    blocks in turn (``get_many``) checks one block while the next ones are still being read.
+    A chunk without a file (never written: the zarr fill value) is read through TensorStore,
+    which fills it, exactly as the TensorStore path does.
+    """
+
+    __slots__ = ("_future", "_store", "_entry")
+
+    def __init__(self, future: ts.Future, store: TensorStoreStore, entry: _Entry) -> None:
+        self._future = future
+        self._store = store
+        self._entry = entry
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        """Waits for the read and returns the block (read-only for a full chunk).
+
+        Raises:
+          CorruptBlockError: the chunk file failed its CRC32C or has the wrong size.
+          StoreError: any other read error.
+          TimeoutError: ``timeout`` passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        entry = self._entry
+        try:
+            res = self._future.result(timeout=timeout)
+        except TimeoutError:
+            raise
+        except Exception as err:
+            raise _translate(err, entry.info.key, self._store.spec, entry.where) from err
+        if res.state != "value":
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._store._read_ts(entry).result(timeout=left)
+        return _decode_chunk(res.value, entry, self._store.spec)
+
+    def done(self) -> bool:
+        """True once the chunk file was read (a missing file is then filled in ``result()``)."""
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[_FastChunkFuture], object]) -> None:
+        """Calls ``fn(self)`` when the read finishes (on a TensorStore thread)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+
+class _FastArray:
+    """How the chunk files of one zarr3 array (codecs bytes + crc32c) are laid out."""
+
+    __slots__ = ("dtype", "chunk_shape", "count", "nbytes", "name")
+
+    def __init__(
+        self, dtype: np.dtype, chunk_shape: tuple[int, ...], name: Callable[[tuple[int, ...]], str]
+    ) -> None:
+        self.dtype = dtype
+        self.chunk_shape = chunk_shape
+        self.count = int(np.prod(chunk_shape, dtype=np.int64))
+        self.nbytes = self.count * dtype.itemsize  # payload of every chunk file, edge ones too
+        self.name = name  # grid index -> chunk key under the array's directory
+
+
+def _decode_chunk(data: bytes, entry: _Entry, store: str) -> np.ndarray:
+    """Checks a raw zarr3 chunk file (payload + CRC32C) and returns the block, without a copy
+    for a full chunk (a read-only view of ``data``, which is an immutable bytes object)."""
+    fast = entry.fast
+    assert fast is not None
+    if len(data) != fast.nbytes + 4 or _CRC32C(data) != _CRC32C_RESIDUE:
+        if len(data) != fast.nbytes + 4:
+            why = (
+                f"the chunk file holds {len(data)} bytes, expected {fast.nbytes + 4} "
+                f"({fast.count} x {fast.dtype} and a 4-byte crc32c)"
+            )
+        else:
+            stored = int.from_bytes(data[-4:], "little")
+            why = (
+                f"crc32c digest mismatch, stored digest is 0x{stored:08x} but computed digest "
+                f"is 0x{_CRC32C(data[:-4]):08x}"
+            )
+        raise CorruptBlockError(
+            f"block {entry.info.key!r} in store {store} is corrupt ({entry.where}): DATA_LOSS: "
+            f"{why}. {_HOW_TO_REPAIR}."
+        )
+    arr = np.frombuffer(data, fast.dtype, count=fast.count).reshape(fast.chunk_shape)
+    # An edge chunk is stored at full chunk shape; copy out the block so that the cache does
+    # not keep the whole chunk's bytes alive for a smaller block.
+    return arr if entry.clip is None else arr[entry.clip].copy()
 
 
 class _RuntimeReadFuture:
@@ -426,9 +562,10 @@ def _wait_all(futures: Iterable[ts.Future], what: str) -> list[Any]:
 
 
 class _Entry:
-    """One chunk block: its info, the open array handle and its index expression."""
+    """One chunk block: its info, the open array handle and its index expression; for the fast
+    path also its chunk file's kvstore key, the array's chunk layout and the edge clipping."""
 
-    __slots__ = ("info", "handle", "index", "where", "view")
+    __slots__ = ("info", "handle", "index", "where", "view", "fast", "fast_key", "clip")
 
     def __init__(self, info: BlockInfo, handle: ts.TensorStore, index: tuple, where: str) -> None:
         self.info = info
@@ -436,6 +573,9 @@ class _Entry:
         self.index = index
         self.where = where
         self.view: ts.TensorStore | None = None  # handle[index], made on first read
+        self.fast: _FastArray | None = None
+        self.fast_key: str | None = None  # kvstore key of the chunk file, relative to the root
+        self.clip: tuple[slice, ...] | None = None  # the block within its chunk, if smaller
 
 
 class TensorStoreStore:
@@ -459,8 +599,12 @@ class TensorStoreStore:
         value_types: Mapping[str, str],
         runtime_keys: Iterable[str],
         source: str,
+        fast_arrays: Mapping[str, _FastArray] | None = None,
     ) -> None:
-        """Builds the block table; use :func:`open_store` instead of calling this."""
+        """Builds the block table; use :func:`open_store` instead of calling this.
+
+        ``fast_arrays`` names the arrays whose chunk files are read directly (see :meth:`read`).
+        """
         self._label = label
         self._kv = kvstore
         self._kv_spec = dict(kvstore_spec)
@@ -471,8 +615,10 @@ class TensorStoreStore:
         self._value_types = dict(value_types)
         self._source = source
         self._entries: dict[str, _Entry] = {}
+        fast_arrays = fast_arrays or {}
         for path, arr in self._arrays.items():
             handle = self._handles[path]
+            fast = fast_arrays.get(path)
             for idx in np.ndindex(*arr.grid_shape):
                 origin = tuple(i * c for i, c in zip(idx, arr.chunk_shape, strict=True))
                 shape = tuple(
@@ -490,7 +636,14 @@ class TensorStoreStore:
                     origin=origin,
                 )
                 index = tuple(slice(o, o + s) for o, s in zip(origin, shape, strict=True))
-                self._entries[key] = _Entry(info, handle, index, chunk_where[path](info.index))
+                entry = self._entries[key] = _Entry(
+                    info, handle, index, chunk_where[path](info.index)
+                )
+                if fast is not None and info.nbytes > 0:
+                    entry.fast = fast
+                    entry.fast_key = f"{path}/{fast.name(info.index)}"
+                    if shape != fast.chunk_shape:
+                        entry.clip = tuple(slice(0, n) for n in shape)
         self._chunk_keys = tuple(self._entries)
         self._lock = threading.Lock()
         # key -> BlockInfo, or None until its header is read (blocks found by listing on open).
@@ -541,26 +694,33 @@ class TensorStoreStore:
                 self._keys_cache = self._chunk_keys + tuple(self._runtime)
             return self._keys_cache
 
-    def read(self, key: str) -> _ChunkFuture | _RuntimeReadFuture | _ReadyFuture:
+    def read(self, key: str) -> _ChunkFuture | _FastChunkFuture | _RuntimeReadFuture | _ReadyFuture:
         """Starts reading one block.
+
+        Args:
+          key: a key from :meth:`keys`.
+
+        Chunks of zarr3 arrays whose codecs are exactly ``bytes`` (little endian) + ``crc32c``
+        (every array :func:`write_store` writes) take a fast path: the chunk file is read whole
+        with the store's kvstore, its CRC32C is checked here and the block is a view of the
+        file's bytes (``np.frombuffer``), so no decode copy is made. Everything else (orbax
+        checkpoints, other codecs, missing chunk files) is read by TensorStore's zarr driver.
 
         Args:
           key: a key from :meth:`keys`.
 
         Returns:
           A future whose ``result()`` is a numpy array of ``info(key).shape`` and dtype, bitwise
-          equal to what was written.
+          equal to what was written. It may be read-only (a fast-path full chunk).
 
         Raises:
           KeyError: no such block (raised now, not by ``result()``).
         """
         entry = self._entries.get(key)
         if entry is not None:
-            view = entry.view
-            if view is None:
-                # Indexing costs more than issuing the read; keep the view of blocks once read.
-                view = entry.view = entry.handle[entry.index]
-            return _ChunkFuture(view.read(), key, self._label, entry.where)
+            if entry.fast_key is not None:
+                return _FastChunkFuture(self._kv.read(entry.fast_key), self, entry)
+            return self._read_ts(entry)
         with self._lock:
             if key not in self._runtime:
                 raise self._missing(key)
@@ -572,7 +732,7 @@ class TensorStoreStore:
 
     def read_many(
         self, keys: Sequence[str]
-    ) -> list[_ChunkFuture | _RuntimeReadFuture | _ReadyFuture]:
+    ) -> list[_ChunkFuture | _FastChunkFuture | _RuntimeReadFuture | _ReadyFuture]:
         """Starts reading many blocks; every read is issued before any is waited on.
 
         Args:
@@ -711,6 +871,14 @@ class TensorStoreStore:
 
     # ---- Internals
 
+    def _read_ts(self, entry: _Entry) -> _ChunkFuture:
+        """Reads a chunk block through TensorStore's array driver."""
+        view = entry.view
+        if view is None:
+            # Indexing costs more than issuing the read; keep the view of blocks once read.
+            view = entry.view = entry.handle[entry.index]
+        return _ChunkFuture(view.read(), entry.info.key, self._label, entry.where)
+
     def _missing(self, key: str) -> KeyError:
         """The KeyError for an unknown key, with a hint on how to find the right one."""
         hint = ""
@@ -816,21 +984,85 @@ def _kp_from_cacheflow(attr: Any, path: str) -> tuple[KeyKind, ...]:
         return tuple(jax.tree_util.DictKey(p) for p in path.split("/"))
 
 
-def _zarr3_chunk_where(
-    label: str, path: str, encoding: Mapping[str, Any]
-) -> Callable[[tuple[int, ...]], str]:
+def _zarr3_chunk_name(encoding: Any) -> Callable[[tuple[int, ...]], str] | None:
+    """The chunk key (under the array's directory) of a zarr3 chunk, from its grid index, for
+    the array's ``chunk_key_encoding``; None for an encoding this does not know.
+
+    ``default``: ``c/1/2`` (separator ``/`` unless configured; ``c`` for a 0-d array);
+    ``v2``: ``1.2`` (separator ``.`` unless configured; ``0`` for a 0-d array).
+    """
+    if encoding is None:
+        encoding = "default"
+    if isinstance(encoding, str):
+        encoding = {"name": encoding}
+    if not isinstance(encoding, Mapping):
+        return None
+    name = encoding.get("name", "default")
+    config = encoding.get("configuration") or {}
+    if name == "default":
+        sep = config.get("separator", "/")
+        if sep not in ("/", "."):
+            return None
+        return lambda idx: "c" + "".join(f"{sep}{i}" for i in idx)
+    if name == "v2":
+        sep = config.get("separator", ".")
+        if sep not in ("/", "."):
+            return None
+        return lambda idx: sep.join(map(str, idx)) or "0"
+    return None
+
+
+def _zarr3_chunk_where(label: str, path: str, encoding: Any) -> Callable[[tuple[int, ...]], str]:
     """Names the file of a zarr3 chunk from its grid index (for error messages)."""
-    sep = encoding.get("configuration", {}).get("separator", "/")
-    default = encoding.get("name", "default") == "default"
+    name = _zarr3_chunk_name(encoding) or _zarr3_chunk_name("default")
+    assert name is not None
+    return lambda idx: _location(label, f"{path}/{name(idx)}")
 
-    def where(idx: tuple[int, ...]) -> str:
-        if default:
-            name = "c" + "".join(f"{sep}{i}" for i in idx)
-        else:
-            name = sep.join(map(str, idx)) or "0"
-        return _location(label, f"{path}/{name}")
 
-    return where
+def _codec(entry: Any) -> tuple[str, Mapping[str, Any]] | None:
+    """(name, configuration) of one zarr3 codec entry (an object, or a bare name)."""
+    if isinstance(entry, str):
+        return entry, {}
+    if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
+        config = entry.get("configuration") or {}
+        return (entry["name"], config) if isinstance(config, Mapping) else None
+    return None
+
+
+def _fast_layout(meta: Mapping[str, Any], arr: ArrayInfo) -> _FastArray | None:
+    """The fast-path layout of a zarr3 array, or None if its chunks must go via TensorStore.
+
+    Fast: a regular chunk grid, codecs exactly ``bytes`` (little endian, or any endianness for
+    1-byte types) then ``crc32c``, no storage transformers, a data type in ``_FAST_DTYPES``, a
+    known chunk key encoding, a little-endian machine and google_crc32c's C implementation.
+    """
+    if _CRC32C is None or sys.byteorder != "little":
+        return None
+    if meta.get("zarr_format") != 3 or meta.get("storage_transformers"):
+        return None
+    data_type = meta.get("data_type")
+    if data_type not in _FAST_DTYPES or np.dtype(data_type) != arr.dtype:
+        return None
+    grid = meta.get("chunk_grid") or {}
+    if not isinstance(grid, Mapping) or grid.get("name") != "regular":
+        return None
+    chunk_shape = tuple(int(c) for c in (grid.get("configuration") or {}).get("chunk_shape", ()))
+    if chunk_shape != tuple(arr.chunk_shape) or len(chunk_shape) != len(arr.shape):
+        return None
+    codecs = [_codec(c) for c in meta.get("codecs") or ()]
+    if len(codecs) != 2 or codecs[0] is None or codecs[1] is None:
+        return None
+    (first, bytes_config), (second, crc_config) = codecs
+    if first != "bytes" or second != "crc32c" or crc_config:
+        return None
+    if set(bytes_config) - {"endian"}:
+        return None
+    if arr.dtype.itemsize > 1 and bytes_config.get("endian") != "little":
+        return None
+    name = _zarr3_chunk_name(meta.get("chunk_key_encoding"))
+    if name is None:
+        return None
+    return _FastArray(arr.dtype, chunk_shape, name)
 
 
 def _orbax_chunk_where(item: str, leaf: str, use_ocdbt: bool) -> Callable[[tuple[int, ...]], str]:
@@ -888,7 +1120,7 @@ def _open_cacheflow(
         for p in paths
     ]
     handles = dict(zip(paths, _wait_all(futures, f"opening arrays of store {label}"), strict=True))
-    arrays, where, tree_paths = {}, {}, {}
+    arrays, where, tree_paths, fast = {}, {}, {}, {}
     for p in paths:
         meta, h = found[p], handles[p]
         arrays[p] = ArrayInfo(
@@ -897,10 +1129,14 @@ def _open_cacheflow(
             dtype=np.dtype(h.dtype.numpy_dtype),
             chunk_shape=tuple(h.chunk_layout.read_chunk.shape or ()),
         )
-        where[p] = _zarr3_chunk_where(label, p, meta.get("chunk_key_encoding", {}))
+        where[p] = _zarr3_chunk_where(label, p, meta.get("chunk_key_encoding"))
         tree_paths[p] = _kp_from_cacheflow(meta.get("attributes", {}).get(_ATTR), p)
+        layout = _fast_layout(meta, arrays[p])
+        if layout is not None:
+            fast[p] = layout
     return {
         "arrays": arrays,
+        "fast_arrays": fast,
         "handles": handles,
         "chunk_where": where,
         "tree_paths": tree_paths,
