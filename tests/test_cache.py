@@ -450,3 +450,50 @@ def test_s3_store_through_the_cache(s3_server):
                 assert _bitwise(value, want), key
     again = cfj.open_store(url, **kw)
     assert _bitwise(again.read("kv:s3-block").result(), np.arange(8, dtype=np.int8))
+
+
+class _SlowCountingStore:
+    """A real TensorStore store whose reads are counted and take at least 0.2 s to finish."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.reads = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def read(self, key):
+        with self._lock:
+            self.reads += 1
+        future = self._store.read(key)
+
+        class _Slow:
+            def result(self, timeout=None):
+                threading.Event().wait(0.2)
+                return future.result(timeout)
+
+        return _Slow()
+
+    def read_many(self, keys):
+        return [self.read(k) for k in keys]
+
+
+def test_concurrent_misses_on_one_key_make_one_read():
+    store, data = _blocks_store()
+    slow = _SlowCountingStore(store)
+    cache = cfj.TieredCache(slow, device_bytes=4 * 256, host_bytes=0)
+    barrier = threading.Barrier(6)
+    results = []
+
+    def work():
+        barrier.wait()
+        results.append(np.asarray(cache.get("w@5,0")))
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert slow.reads == 1
+    assert len(results) == 6 and all(_bitwise(r, data[5:6]) for r in results)
