@@ -174,8 +174,9 @@ class TieredCache:
         """
         value = self._l1.get(key)
         if value is not None:
-            self._reads.append(key)
-            if len(self._reads) >= self._read_buffer:
+            reads = self._reads
+            reads.append(key)
+            if len(reads) >= self._read_buffer:
                 with self._lock:
                     self._drain()
             return value
