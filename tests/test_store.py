@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -410,3 +411,215 @@ def test_corrupt_chunk_names_key_and_file(tmp_path: Path) -> None:
     assert [k for k in before if before[k] != after[k]] == [
         os.path.join("params", "w", "c", "1", "0")
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# The fast chunk path: zarr3 chunk files (bytes + crc32c) read and checked by cacheflow itself
+
+FAST_DTYPES = [
+    np.dtype(np.int8),
+    np.dtype(np.uint8),
+    np.dtype(np.int16),
+    np.dtype(np.uint32),
+    np.dtype(np.int64),
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(ml_dtypes.float8_e4m3fn),
+    np.dtype(np.complex64),
+    np.dtype(np.complex128),
+]
+
+
+def _ts_block(store: TensorStoreStore, key: str) -> np.ndarray:
+    """The block as TensorStore's zarr3 driver reads it (the reference for the fast path)."""
+    info = store.info(key)
+    sl = tuple(slice(o, o + n) for o, n in zip(info.origin, info.shape, strict=True))
+    return store.handle(info.array)[sl].read().result()
+
+
+def _is_fast(store: TensorStoreStore, key: str) -> bool:
+    from cacheflow_jax._store import _FastChunkFuture
+
+    return isinstance(store.read(key), _FastChunkFuture)
+
+
+@pytest.mark.parametrize("chunk_items", [2, 6])
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (5, 3), (3, 5, 7), (4, 0)], ids=str)
+def test_fast_path_bitwise_equal_to_tensorstore(
+    tmp_path: Path, dtype: np.dtype, shape: tuple[int, ...], chunk_items: int
+) -> None:
+    rng = np.random.default_rng(11)
+    src = random_array(rng, shape, dtype)
+    # Small chunks: odd sizes leave edge chunks in the last dimension (2 items per chunk) or in
+    # a leading one ((5, 3) in chunks of (2, 3)); zarr3 stores edge chunks at full chunk shape.
+    store = write_store({"a": src}, tmp_path / "s", chunk_bytes=chunk_items * dtype.itemsize)
+    keys = list(store.keys())
+    for key, fut in zip(keys, store.read_many(keys), strict=True):
+        assert _is_fast(store, key)
+        value = fut.result()
+        assert same_bits(value, _ts_block(store, key)), key
+        b = store.info(key)
+        assert same_bits(value, src[tuple(slice(o, o + n) for o, n in zip(b.origin, b.shape))])
+        assert value.shape == b.shape and value.nbytes == b.nbytes
+    chunk_shape = store.arrays()["a"].chunk_shape
+    edge = [k for k in keys if store.info(k).shape != chunk_shape]
+    assert bool(edge) == any(n % c for n, c in zip(shape, chunk_shape))
+    for key in edge:  # an edge block is its own array, not a view of the whole chunk
+        assert store.read(key).result().base is None
+    assert_store_matches(store, {"a": src})
+
+
+def test_fast_path_blocks_go_to_the_device(tmp_path: Path) -> None:
+    src = random_array(np.random.default_rng(12), (4, 6), np.dtype(ml_dtypes.bfloat16))
+    store = write_store({"a": src}, tmp_path / "s", chunk_bytes=2 * 6 * 2)
+    for key in store.keys():
+        value = store.read(key).result()
+        assert not value.flags.writeable  # a view of the checked file buffer
+        on_device = jax.device_put(value)
+        assert same_bits(np.asarray(on_device), _ts_block(store, key))
+
+
+def _make_zarr3(root: Path, name: str, src: np.ndarray, chunks: list[int], **meta: Any) -> None:
+    """A zarr3 array ``name`` under a plain zarr3 group at ``root``, written by TensorStore."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group"}))
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(root / name) + "/"},
+        "create": True,
+        "metadata": {
+            "shape": list(src.shape),
+            "data_type": src.dtype.name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+            **meta,
+        },
+    }
+    ts.open(spec).result().write(src).result()
+
+
+CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+@pytest.mark.parametrize(
+    ("encoding", "chunk_file"),
+    [
+        ({"name": "default"}, "c/1/0"),
+        ({"name": "default", "configuration": {"separator": "."}}, "c.1.0"),
+        ({"name": "v2"}, "1.0"),
+        ({"name": "v2", "configuration": {"separator": "/"}}, "1/0"),
+    ],
+    ids=["default", "default-dot", "v2", "v2-slash"],
+)
+def test_fast_path_chunk_key_encodings(
+    tmp_path: Path, encoding: dict[str, Any], chunk_file: str
+) -> None:
+    src = np.arange(5 * 3, dtype=np.int32).reshape(5, 3)
+    _make_zarr3(tmp_path / "s", "w", src, [2, 3], codecs=CRC, chunk_key_encoding=encoding)
+    assert (tmp_path / "s" / "w" / chunk_file).is_file()
+    store = open_store(tmp_path / "s")
+    for key in store.keys():
+        assert _is_fast(store, key)
+        assert same_bits(store.read(key).result(), _ts_block(store, key))
+    assert_store_matches(store, {"w": src})
+    # Damage the chunk of block w@1,0: the error names the file under its encoding.
+    path = tmp_path / "s" / "w" / chunk_file
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlockError) as exc:
+        open_store(tmp_path / "s").read("w@1,0").result()
+    assert "'w@1,0'" in str(exc.value) and str(path) in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"codecs": [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]},
+        {"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]},
+        {
+            "codecs": [
+                {"name": "transpose", "configuration": {"order": [1, 0]}},
+                *CRC,
+            ]
+        },
+        {"codecs": [CRC[0], {"name": "zstd", "configuration": {"level": 1}}, CRC[1]]},
+    ],
+    ids=["big-endian", "no-crc", "transpose", "zstd"],
+)
+def test_other_codecs_read_by_tensorstore(tmp_path: Path, meta: dict[str, Any]) -> None:
+    src = random_array(np.random.default_rng(13), (5, 3), np.dtype(np.float32))
+    _make_zarr3(tmp_path / "s", "w", src, [2, 2], **meta)
+    store = open_store(tmp_path / "s")
+    assert not any(_is_fast(store, k) for k in store.keys())
+    assert_store_matches(store, {"w": src})
+
+
+def test_no_fast_path_for_bool_or_other_kvstores(tmp_path: Path) -> None:
+    flags = np.array([True, False, True])
+    store = write_store({"f": flags, "x": np.arange(3.0)}, tmp_path / "s", chunk_bytes=2)
+    assert not _is_fast(store, "f@0") and _is_fast(store, "x@0")
+    mem = write_store({"x": np.arange(3.0)}, "memory://no-fast-path/", chunk_bytes=8)
+    assert not any(_is_fast(mem, k) for k in mem.keys())
+    assert_store_matches(store, {"f": flags, "x": np.arange(3.0)})
+
+
+def test_fast_path_missing_chunk_reads_fill_value(tmp_path: Path) -> None:
+    src = np.arange(12, dtype=np.int16).reshape(4, 3)
+    _make_zarr3(tmp_path / "s", "w", src, [2, 2], codecs=CRC, fill_value=7)
+    store = write_store({"x": np.ones((4, 3), np.float32)}, tmp_path / "t", chunk_bytes=12)
+    (tmp_path / "s" / "w" / "c" / "1" / "1").unlink()  # block w@1,1: rows 2-3, column 2
+    (tmp_path / "t" / "x" / "c" / "2" / "0").unlink()  # block x@2,0: row 2
+    for root, key, fill in ((tmp_path / "s", "w@1,1", 7), (tmp_path / "t", "x@2,0", 0)):
+        store = open_store(root)
+        fut = store.read(key)
+        called: list[object] = []
+        fut.add_done_callback(called.append)
+        value = fut.result(timeout=30)
+        assert fut.done() and called == [fut]
+        assert (value == fill).all() and value.shape == store.info(key).shape
+        assert same_bits(value, _ts_block(store, key))
+        others = [k for k in store.keys() if k != key]
+        for k, f in zip(others, store.read_many(others), strict=True):
+            assert same_bits(f.result(), _ts_block(store, k))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "crc"])
+def test_fast_path_corruption_names_key_and_file(tmp_path: Path, damage: str) -> None:
+    src = random_array(np.random.default_rng(14), (6, 5), np.dtype(ml_dtypes.bfloat16))
+    write_store({"p": {"w": src}}, tmp_path / "s", chunk_bytes=2 * 5 * 2)
+    chunk = tmp_path / "s" / "p" / "w" / "c" / "2" / "0"
+    data = bytearray(chunk.read_bytes())
+    if damage == "flip":
+        data[3] ^= 0x80
+    elif damage == "truncate":
+        data = data[:-1]
+    elif damage == "extend":
+        data += b"\0"
+    else:
+        data[-1] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    fresh = open_store(tmp_path / "s")
+    futures = fresh.read_many(list(fresh.keys()))
+    for key, fut in zip(fresh.keys(), futures, strict=True):
+        if key != "p/w@2,0":
+            assert same_bits(fut.result(), _ts_block(fresh, key))
+            continue
+        with pytest.raises(CorruptBlockError) as exc:
+            fut.result()
+        msg = str(exc.value)
+        assert "'p/w@2,0'" in msg and str(chunk) in msg and "re-write the store" in msg
+        assert "DATA_LOSS" in msg and ("crc32c" in msg or "bytes" in msg)
+        if damage != "extend":  # TensorStore 0.1.86 reads a chunk file with a byte appended
+            with pytest.raises(ValueError, match="DATA_LOSS"):  # TensorStore rejects it too
+                _ts_block(fresh, key)
+
+
+def test_crc32c_is_the_c_implementation() -> None:
+    import google_crc32c
+
+    from cacheflow_jax._store import _CRC32C
+
+    assert google_crc32c.implementation == "c" and _CRC32C is not None
