@@ -269,7 +269,7 @@ class TieredCache:
             policy.remove(state, tier_index, victim)
             del tier.entries[victim]
             size = (self._runtime.get(victim) or self._store_info(victim)).nbytes
-            demote = tier_index == DEVICE and len(self._tiers) > HOST
+            demote = tier_index == DEVICE and len(self._tiers) > HOST and self._tiers[HOST].budget > 0
             if demote and self._room_sync(HOST, size, victim, now):
                 self._tiers[HOST].entries[victim] = PRESENT
                 policy.insert(state, HOST, victim, now)

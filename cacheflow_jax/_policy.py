@@ -5,21 +5,55 @@ newcomer may displace that victim, and which keys have outlived their TTL. Each 
 `Policy` of functions; its state is created by ``init(num_tiers)`` and passed back on every call.
 The state is a NamedTuple of containers that the functions update in place: a copy-on-write
 state would allocate on every cache hit, which the hot path must not do. The same functions run
-in replay, in the live cache, and (for counters) on the device through ``lfu_update``.
+in replay and in the live cache (and, once the Pallas kernels land, on the device for counters).
 
 Policies:
 
 * ``lru()``: least recently used. O(1) per access and eviction.
-* ``lfu(half_life=..., ttl=...)``: a decayed frequency count ``s <- s * 2**(-dt / half_life) + 1``
-  (``dt`` in accesses, a logical clock), with admission against a bounded ghost history and a TTL in
-  seconds. ``half_life -> 0`` orders like LRU, ``half_life -> inf`` like plain LFU.
-  Ordering trick: because every score decays by the same factor, ``s_a(now) < s_b(now)`` iff
-  ``log2(s_a) + t_a / h < log2(s_b) + t_b / h`` where ``t`` is the key's last update. That quantity
-  (the *priority*) does not change while a key is idle, so a lazy min-heap keeps exact order.
-  Cost: O(1) per access (two dict writes; no heap work, since priorities only grow and the heap
-  keeps lower bounds that are refreshed when they reach the top), O(log n) per insert, amortised
-  O(log n) per eviction, and a TTL sweep over the residents every ttl/8 seconds.
-* ``lfu_plain(ttl=...)``: ``lfu`` with no decay (classic LFU with ghost admission).
+* ``lfu(half_life=None, count_cap=4, window=0.01, ttl=86400, ghost_entries=65536)``, the default:
+  a decayed frequency count over a LIRS-style window. Described below.
+* ``lfu_plain(ttl=...)``: ``lfu`` with no decay and no cap (LFU order in the protected segment).
+
+The ``lfu`` policy
+------------------
+
+*Score.* Every access updates a decayed count ``s <- min(s * 2**(-dt / half_life) + 1, count_cap)``
+(``dt`` in accesses, a logical clock). A short half-life orders like LRU, a long one like LFU; the
+cap keeps an idle key's past popularity from protecting it for more than ``log2(count_cap)``
+half-lives. Because every score decays by the same factor, ``s_a(now) < s_b(now)`` iff
+``log2(s_a) + t_a / h < log2(s_b) + t_b / h`` where ``t`` is the key's last update: that *priority*
+does not change while a key is idle, so a lazy min-heap (entries are lower bounds, refreshed when
+they reach the top) keeps exact order with no heap work on a hit.
+
+*Segments.* Each tier is split into a small *window* (1% of its resident entries, LRU order) and
+a *protected* segment ordered by priority. A newcomer enters the protected segment only if its
+priority *before this access* is at least the protected segment's lowest current priority (with
+a short half-life: if it came back sooner than the weakest protected key has been idle: LIRS's
+inter-reference-recency test), or while the protected segment is not full; otherwise it enters
+the window. A window hit promotes the key by the same test. When the protected segment outgrows
+its share, its lowest key goes back to the window for a second chance. Victims come from the
+window's LRU end while the window is over its share, else from the protected segment's lowest
+priority. So a scan or a burst of one-hit blocks only churns the window, and a loop larger than
+the cache keeps part of itself protected instead of thrashing. ``admit`` always says yes: the
+window, not the admission test, filters newcomers.
+
+*Ghost history.* Scores of up to ``ghost_entries`` non-resident keys are remembered (FIFO), so a
+key evicted from the window and seen again is judged on its history, not as new.
+
+*Adaptive half-life.* With ``half_life=None`` the half-life is tuned online by hill climbing on
+the L1 hit ratio (as Caffeine tunes its window): every ``max(16384, 32 * residents)`` accesses
+``log2(half_life)`` moves one step (x2 or /2, within 2**8 .. 2**20); the direction is kept while the
+hit ratio improves and reversed when it drops. A change re-expresses every priority under the
+new half-life (the decayed counts are unchanged), an O(keys + residents log residents) rebuild
+per period, O(1) amortised per access.
+
+*TTL.* A sweep over the residents every ``ttl / 8`` seconds returns those idle for ``ttl``.
+
+*Cost per access.* A hit in the protected segment: two dict writes, one ``log2`` and two dict
+lookups (no heap work). A window hit: an ``OrderedDict.move_to_end``, or O(log n) for a
+promotion. A miss: O(log n) amortised (heap push, lazy refresh, ghost trim). Memory: a priority
+and a last-access time per key (residents and ghosts), a segment dict entry and a heap tuple per
+resident.
 """
 
 from __future__ import annotations
@@ -130,28 +164,43 @@ def lru(*, ttl: float | None = None) -> Policy:
 
 # --------------------------------------------------------------------------------------------- LFU
 
+# Indices into ``LfuState.params`` (a list, so that the hot path updates floats in place).
+_INV, _TICK, _GHOSTS, _SWEEP, _LOGCAP, _PRE, _KEY, _WINDOW = 0, 1, 2, 3, 4, 5, 6, 7
+_MISSES, _PERIOD_END, _PREV_HIT, _DIR, _LOGH, _ADAPT, _START, _FULL = 8, 9, 10, 11, 12, 13, 14, 15
+_NEG = -math.inf
+_MIN_LOG_H, _MAX_LOG_H = 8.0, 20.0  # the adaptive half-life stays within 256 .. 1M accesses
+
 
 class LfuState(NamedTuple):
-    resident: list  # per tier: dict[key, None], the keys resident in that tier
-    heaps: list  # per tier: list[(priority, key)], lazy min-heap of lower bounds
-    prio: dict  # key -> priority log2(s) + tick/half_life, for residents and ghosts
+    window: list  # per tier: OrderedDict[key, None], newcomers in LRU order (oldest first)
+    main: list  # per tier: dict[key, None], the protected keys, ordered by priority
+    heaps: list  # per tier: list[(priority, key)], lazy min-heap of lower bounds over ``main``
+    prio: dict  # key -> priority log2(min(s, cap)) + tick/half_life, for residents and ghosts
     last: dict  # key -> last access time in seconds (TTL), same keys as ``prio``
     ghosts: OrderedDict  # non-resident keys with a remembered score, oldest first
-    params: list  # [1/half_life, tick (accesses so far), ghost limit, next TTL sweep]
+    params: list  # see the _INV.. indices above
     ttl: float
 
 
 def lfu(
     *,
-    half_life: float = 2048.0,
-    ttl: float | None = 3600.0,
+    half_life: float | None = None,
+    count_cap: float = 4.0,
+    window: float = 0.01,
+    ttl: float | None = 86400.0,
     ghost_entries: int = 65536,
 ) -> Policy:
-    """Decayed LFU with ghost admission and a TTL (the default policy).
+    """Decayed LFU over a LIRS-style window, with ghost history and a TTL (the default policy).
 
     Args:
-      half_life: accesses after which an idle key's count halves. ``math.inf`` gives plain LFU;
-        small values approach LRU.
+      half_life: accesses after which an idle key's count halves. ``None`` (the default) adapts it
+        online by hill climbing on the hit ratio, between 256 and 2**20 accesses; a number fixes
+        it. ``math.inf`` gives plain LFU order in the main segment.
+      count_cap: the decayed count saturates at this value, so that a key's past popularity
+        cannot protect it for longer than ``log2(count_cap)`` half-lives once it goes idle.
+        ``math.inf`` for no cap.
+      window: the share of a tier's resident entries kept for newcomers (a LRU queue, 1% by
+        default). ``1.0`` makes the whole tier one LRU queue: exact LRU.
       ttl: seconds without an access after which a block leaves L1/L2; ``None`` for no TTL.
       ghost_entries: how many non-resident keys' scores are remembered at most.
 
@@ -163,114 +212,228 @@ def lfu(
     >>> p.access(s, "a", 0.0); p.insert(s, 0, "a", 0.0); p.victim(s, 0)
     'a'
     """
+    adaptive = half_life is None
+    if adaptive:
+        half_life = 2.0**12
     if not half_life > 0:
         raise ValueError(f"half_life={half_life!r} must be > 0 accesses (math.inf for plain LFU)")
+    if not count_cap >= 1:
+        raise ValueError(f"count_cap={count_cap!r} must be >= 1 (math.inf for no cap)")
+    if not 0 <= window <= 1:
+        raise ValueError(f"window={window!r} must be a share between 0 and 1")
     if ghost_entries < 0:
         raise ValueError(f"ghost_entries={ghost_entries!r} must be >= 0")
     ttl_s = _check_ttl(ttl)
-    name = "lfu-plain" if half_life == math.inf else "lfu"
+    name = "lfu-plain" if half_life == math.inf and count_cap == math.inf else "lfu"
     log2 = math.log2
+    heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
+    all_window = window >= 1.0
 
     def init(num_tiers: int) -> LfuState:
         return LfuState(
+            [OrderedDict() for _ in range(num_tiers)],
             [{} for _ in range(num_tiers)],
             [[] for _ in range(num_tiers)],
             {},
             {},
             OrderedDict(),
-            [1.0 / half_life, 0.0, int(ghost_entries), -math.inf],
+            [
+                1.0 / half_life, 0.0, int(ghost_entries), _NEG, log2(count_cap), _NEG, None,
+                float(window), 0.0, 8192.0, -1.0, 1.0, log2(half_life), adaptive, 0.0,
+                [False] * num_tiers,
+            ],
             ttl_s,
         )
 
+    def _top(state: LfuState, tier: int) -> tuple:
+        """(priority, key) of the lowest-priority key of ``main[tier]``, or (-inf, None)."""
+        heap, main, prio = state.heaps[tier], state.main[tier], state.prio
+        while heap:
+            p, key = heap[0]
+            if key not in main:
+                heappop(heap)
+                continue
+            current = prio[key]
+            if current == p:
+                return p, key
+            heapreplace(heap, (current, key))  # priorities only grow: a lower bound
+        return _NEG, None
+
+    def _demote_overflow(state: LfuState, tier: int) -> None:
+        # Keep main within its share: its lowest key goes back to the window (a second chance).
+        main, win = state.main[tier], state.window[tier]
+        if len(main) > (1.0 - state.params[_WINDOW]) * (len(main) + len(win)) + 1.0:
+            _, low = _top(state, tier)
+            heappop(state.heaps[tier])
+            del main[low]
+            win[low] = None
+
     def access(state: LfuState, key: Key, now: float) -> None:
         params = state.params
-        tick = params[1] = params[1] + 1.0
-        base = tick * params[0]
+        tick = params[_TICK] = params[_TICK] + 1.0
+        base = tick * params[_INV]
         prio = state.prio
         old = prio.get(key)
         if old is None:
             prio[key] = base  # log2(1) + base
+            params[_PRE] = _NEG
             state.ghosts[key] = None
             _trim_ghosts(state)
         else:
             x = old - base  # log2 of the decayed count
-            prio[key] = base + (x if x > 60.0 else log2(1.0 + 2.0**x))
+            x = x if x > 60.0 else log2(1.0 + 2.0**x)
+            cap = params[_LOGCAP]
+            prio[key] = base + (x if x < cap else cap)
+            params[_PRE] = old
+        params[_KEY] = key
         state.last[key] = now
+        for tier, win in enumerate(state.window):
+            if key in win:  # a hit in the window: promote if it now beats main's lowest
+                p, low = _top(state, tier)
+                main = state.main[tier]
+                if not all_window and (
+                    low is None
+                    or old >= p
+                    or len(main) < (1.0 - params[_WINDOW]) * (len(main) + len(win))
+                ):
+                    del win[key]
+                    main[key] = None
+                    heappush(state.heaps[tier], (prio[key], key))
+                    _demote_overflow(state, tier)
+                else:
+                    win.move_to_end(key)
+                break
+        if params[_ADAPT] and tick >= params[_PERIOD_END]:
+            _adapt(state)
 
     def insert(state: LfuState, tier: int, key: Key, now: float) -> None:
-        prio = state.prio
+        prio, params = state.prio, state.params
         p = prio.get(key)
         if p is None:  # inserted without an access (e.g. a prefetch): a fresh count
-            params = state.params
-            p = prio[key] = params[1] * params[0]
+            p = prio[key] = params[_TICK] * params[_INV]
             state.last[key] = now
+            pre = _NEG
         else:
             state.ghosts.pop(key, None)
-        state.resident[tier][key] = None
-        heap = state.heaps[tier]
-        heapq.heappush(heap, (p, key))
-        if len(heap) > 64 and len(heap) > 4 * len(state.resident[tier]):
-            heap[:] = [(prio[k], k) for k in state.resident[tier]]
-            heapq.heapify(heap)
+            pre = params[_PRE] if params[_KEY] == key else p
+        if params[_KEY] == key and tier == 0:
+            params[_MISSES] += 1.0
+        main = state.main[tier]
+        if all_window:
+            state.window[tier][key] = None
+            return
+        win = state.window[tier]
+        full = params[_FULL][tier]  # did the cache ask for a victim to make room for this key?
+        params[_FULL][tier] = False
+        low_p, low = _top(state, tier)
+        if (
+            low is None
+            or pre >= low_p  # it was back sooner than main's weakest: protect it
+            or not full and len(main) < (1.0 - params[_WINDOW]) * (len(main) + len(win) + 1)
+        ):
+            main[key] = None
+            heap = state.heaps[tier]
+            heappush(heap, (p, key))
+            _demote_overflow(state, tier)
+            if len(heap) > 64 and len(heap) > 4 * len(main):
+                heap[:] = [(prio[k], k) for k in main]
+                heapq.heapify(heap)
+        else:
+            win[key] = None
 
     def remove(state: LfuState, tier: int, key: Key) -> None:
-        if state.resident[tier].pop(key, 0) is None:
-            state.ghosts[key] = None
-            _trim_ghosts(state)
+        win = state.window[tier]
+        if key in win:
+            del win[key]
+        elif state.main[tier].pop(key, 0) is not None:
+            return
+        state.ghosts[key] = None
+        _trim_ghosts(state)
 
     def victim(state: LfuState, tier: int) -> Key | None:
-        heap, resident, prio = state.heaps[tier], state.resident[tier], state.prio
-        while heap:
-            p, key = heap[0]
-            if key not in resident:
-                heapq.heappop(heap)
-                continue
-            current = prio[key]
-            if current == p:
-                return key
-            heapq.heapreplace(heap, (current, key))  # priorities only grow: a lower bound
-        return None
+        win, main = state.window[tier], state.main[tier]
+        state.params[_FULL][tier] = True
+        if win and (not main or len(win) > state.params[_WINDOW] * (len(win) + len(main))):
+            return next(iter(win))
+        return _top(state, tier)[1]
 
     def admit(state: LfuState, key: Key, victim_key: Key) -> bool:
-        prio = state.prio
-        return prio.get(key, -math.inf) >= prio.get(victim_key, -math.inf)
+        return True  # newcomers enter the window; the window, not admission, filters them
 
     def expired(state: LfuState, tier: int, now: float) -> list[Key]:
         # A sweep over the residents every ttl/8 seconds: O(1) amortised per access, and no
         # per-access bookkeeping. A block leaves between ttl and 9/8 ttl after its last access.
         ttl = state.ttl
         params = state.params
-        if ttl == math.inf or now < params[3]:
+        if ttl == math.inf or now < params[_SWEEP]:
             return []
-        if tier == len(state.resident) - 1:
-            params[3] = now + ttl / 8
+        if tier == len(state.main) - 1:
+            params[_SWEEP] = now + ttl / 8
         limit = now - ttl
         last = state.last
-        return [k for k in state.resident[tier] if last[k] <= limit]
+        out = [k for k in state.window[tier] if last[k] <= limit]
+        out += [k for k in state.main[tier] if last[k] <= limit]
+        return out
 
     def describe(state: LfuState) -> dict:
-        inv = state.params[0]
+        params = state.params
+        inv = params[_INV]
         return {
             "name": name,
             "half_life": None if inv == 0 else 1.0 / inv,
+            "adaptive": bool(params[_ADAPT]),
+            "count_cap": 2.0 ** params[_LOGCAP],
+            "window": params[_WINDOW],
             "ttl": None if state.ttl == math.inf else state.ttl,
-            "ghost_entries": state.params[2],
+            "ghost_entries": params[_GHOSTS],
         }
 
     return Policy(name, init, access, insert, remove, victim, admit, expired, describe)
 
 
-def lfu_plain(*, ttl: float | None = 3600.0, ghost_entries: int = 65536) -> Policy:
-    """Classic LFU (no decay) with ghost admission and a TTL, for comparison."""
-    return lfu(half_life=math.inf, ttl=ttl, ghost_entries=ghost_entries)
+def _adapt(state: LfuState) -> None:
+    """Hill climbing on the L1 hit ratio: keep moving log2(half_life) while it helps, else turn."""
+    params = state.params
+    tick = params[_TICK]
+    resident = len(state.main[0]) + len(state.window[0])
+    period = max(16384.0, 32.0 * resident)
+    hit = 1.0 - params[_MISSES] / max(tick - params[_START], 1.0)
+    params[_START] = tick
+    params[_MISSES] = 0.0
+    params[_PERIOD_END] = tick + period
+    prev = params[_PREV_HIT]
+    if prev >= 0.0 and hit < prev:
+        params[_DIR] = -params[_DIR]
+    params[_PREV_HIT] = hit
+    log_h = min(max(params[_LOGH] + params[_DIR], _MIN_LOG_H), _MAX_LOG_H)
+    if log_h == params[_LOGH]:
+        params[_DIR] = -params[_DIR]
+        return
+    params[_LOGH] = log_h
+    # Re-express every priority under the new half-life: the decayed counts are unchanged.
+    old_inv, new_inv = params[_INV], 2.0**-log_h
+    params[_INV] = new_inv
+    shift = tick * (new_inv - old_inv)
+    prio = state.prio
+    for k in prio:
+        prio[k] += shift
+    for tier, main in enumerate(state.main):
+        heap = state.heaps[tier]
+        heap[:] = [(prio[k], k) for k in main]
+        heapq.heapify(heap)
+
+
+def lfu_plain(*, ttl: float | None = 86400.0, ghost_entries: int = 65536) -> Policy:
+    """Classic LFU (no decay, no cap) over the same window, with a TTL, for comparison."""
+    return lfu(half_life=math.inf, count_cap=math.inf, ttl=ttl, ghost_entries=ghost_entries)
 
 
 def _trim_ghosts(state: LfuState) -> None:
     ghosts = state.ghosts
-    limit = state.params[2]
+    limit = state.params[_GHOSTS]
     while len(ghosts) > limit:
         key, _ = ghosts.popitem(last=False)
-        if not any(key in r for r in state.resident):
+        if not any(key in m or key in w for m, w in zip(state.main, state.window)):
             del state.prio[key]
             del state.last[key]
 

@@ -249,12 +249,12 @@ def test_lru_evicts_least_recent():
     assert all(cache.contains(f"w@{i},0") for i in (0, 2, 3))
 
 
-def test_lfu_with_short_half_life_behaves_like_lru():
+def test_lfu_with_short_half_life_and_no_window_behaves_like_lru():
     store, _ = _blocks_store(n=32, size=16)
     rng = np.random.default_rng(1)
     seq = [f"w@{int(i)},0" for i in rng.zipf(1.4, 400) % 32]
     results = {}
-    for name, policy in [("lru", cfj.lru()), ("lfu", cfj.lfu(half_life=1e-3))]:
+    for name, policy in [("lru", cfj.lru()), ("lfu", cfj.lfu(half_life=1e-3, window=1.0))]:
         cache = cfj.TieredCache(store, device_bytes=6 * 64, host_bytes=0, policy=policy,
                                 read_buffer=1)
         for key in seq:

@@ -1,0 +1,103 @@
+"""Unit tests of the policies in `cacheflow_jax._policy`, driven the way `TieredCache` drives them."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from cacheflow_jax._policy import get_policy, lfu, lfu_plain, lru
+
+
+def _drive(policy, keys, capacity, now=None):
+    """Single tier, unit sizes, the call order of `TieredCache._room_sync`; returns misses."""
+    state = policy.init(1)
+    resident: set = set()
+    misses = 0
+    for i, key in enumerate(keys):
+        t = float(i) if now is None else now(i)
+        policy.access(state, key, t)
+        for k in policy.expired(state, 0, t):
+            policy.remove(state, 0, k)
+            resident.discard(k)
+        if key in resident:
+            continue
+        misses += 1
+        admitted = True
+        while len(resident) >= capacity:
+            v = policy.victim(state, 0)
+            assert v in resident
+            if not policy.admit(state, key, v):
+                admitted = False
+                break
+            policy.remove(state, 0, v)
+            resident.discard(v)
+        if admitted:
+            policy.insert(state, 0, key, t)
+            resident.add(key)
+    return misses, state, resident
+
+
+def _zipf_keys(n, seed=0):
+    rng = random.Random(seed)
+    return [f"k{int(rng.paretovariate(0.8)) % 200}" for _ in range(n)]
+
+
+def test_window_one_is_exact_lru():
+    keys = _zipf_keys(3000)
+    for cap in (5, 20, 50):
+        assert _drive(lfu(half_life=1e-3, window=1.0), keys, cap)[0] == _drive(lru(), keys, cap)[0]
+
+
+def test_scan_does_not_flush_the_hot_set():
+    hot = [f"h{i}" for i in range(8)]
+    keys = hot * 20 + [f"s{i}" for i in range(500)]
+    _, _, resident = _drive(lfu(), keys, 10)
+    assert set(hot) <= resident
+
+
+def test_loop_larger_than_the_cache_keeps_hits():
+    # LRU gets no hits on a cyclic loop larger than the cache; the protected segment keeps some.
+    loop = [f"k{i}" for i in range(120)] * 20
+    assert _drive(lru(), loop, 100)[0] == len(loop)
+    assert _drive(lfu(), loop, 100)[0] < 0.5 * len(loop)
+
+
+def test_adaptive_half_life_stays_in_bounds_and_is_reported():
+    keys = _zipf_keys(60000, seed=3)
+    _, state, _ = _drive(lfu(), keys, 30)
+    info = lfu().describe(state)
+    assert info["adaptive"] is True
+    assert 2.0**8 <= info["half_life"] <= 2.0**20
+    fixed = lfu(half_life=100.0)
+    _, s2, _ = _drive(fixed, keys[:5000], 30)
+    assert fixed.describe(s2)["half_life"] == 100.0 and fixed.describe(s2)["adaptive"] is False
+
+
+def test_ttl_expires_idle_residents_from_both_segments():
+    p = lfu(ttl=10.0)
+    s = p.init(1)
+    for key in ("a", "b", "c"):
+        p.access(s, key, 0.0)
+        p.insert(s, 0, key, 0.0)
+    p.access(s, "a", 0.0)  # a window hit: "a" may be promoted to the protected segment
+    p.access(s, "c", 12.0)
+    assert sorted(p.expired(s, 0, 12.0)) == ["a", "b"]
+
+
+def test_bookkeeping_is_released_with_the_ghosts():
+    p = lfu(ghost_entries=16)
+    keys = [f"k{i}" for i in range(1000)]
+    _, state, resident = _drive(p, keys, 8)
+    assert len(state.prio) <= 16 + len(resident)
+    assert set(state.prio) == set(state.last)
+
+
+def test_names_and_validation():
+    assert lfu().name == "lfu" and lfu_plain().name == "lfu-plain"
+    assert get_policy("lfu").name == "lfu"
+    for bad in ({"half_life": 0}, {"count_cap": 0.5}, {"window": 1.5}, {"ghost_entries": -1}):
+        with pytest.raises(ValueError):
+            lfu(**bad)
+    assert lfu(half_life=math.inf).describe(lfu(half_life=math.inf).init(1))["half_life"] is None
