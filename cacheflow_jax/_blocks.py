@@ -9,6 +9,7 @@ before it is read, so budgets can be checked before any I/O.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,6 +28,37 @@ class StoreError(OSError):
 
 class CorruptBlockError(StoreError):
     """A stored chunk failed its checksum; the message names the key and the file."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_bytes(text: str) -> tuple[int, bool]:
+    """Parses ``1048576``, ``64MiB``, ``1.5G`` or ``500MB`` (K/M/G/T alone are binary).
+
+    Returns:
+      ``(bytes, unitless)``: the size, and whether it was a plain number.
+
+    Raises:
+      ValueError: ``text`` is not a non-negative size.
+
+    >>> parse_bytes("64MiB"), parse_bytes("1.5k"), parse_bytes("10")
+    ((67108864, False), (1536, False), (10, True))
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not a size; use bytes or a number with a unit, e.g. 64MiB, 1.5GiB, 500MB"
+        )
+    return int(float(m.group(1)) * _UNITS[unit]), not m.group(2)
 
 
 def block_key(array_path: str, index: Sequence[int]) -> str:

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from cacheflow_jax._blocks import parse_bytes
+
 FORMATS = ("log", "mooncake", "libcachesim-csv", "txt")
 KINDS = ("weight", "embedding", "kv", "other")
 LOG_COLUMNS = ("t", "key", "nbytes", "kind", "req")
@@ -368,21 +370,14 @@ def parse_size(text: str | int, *, total: int, largest: int, setting: str) -> in
     """
     if isinstance(text, int):
         value, unitless = text, True
-    else:
-        s = text.strip()
-        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-                 "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
-        unitless = False
+    elif text.strip().endswith("%"):
         try:
-            if s.endswith("%"):
-                value = int(total * float(s[:-1]) / 100)
-            else:
-                low = s.lower()
-                unit = next((u for u in units if low.endswith(u)), None)
-                if unit is None:
-                    value, unitless = int(float(s)), True
-                else:
-                    value = int(float(low[: -len(unit)]) * units[unit])
+            value, unitless = int(total * float(text.strip()[:-1]) / 100), False
+        except ValueError:
+            raise ValueError(f"{setting}={text!r} is not a percentage such as 5%") from None
+    else:
+        try:
+            value, unitless = parse_bytes(text)
         except ValueError:
             raise ValueError(
                 f"{setting}={text!r} is not a size; use bytes with an optional unit "

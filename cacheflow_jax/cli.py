@@ -9,34 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from cacheflow_jax._blocks import KEY_SEPARATOR, StoreError
+from cacheflow_jax._blocks import KEY_SEPARATOR, StoreError, parse_bytes
 
 USER_ERROR = 2
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kib": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mib": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gib": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tib": 2**40,
-    "tb": 10**12,
-}
-
 
 class UserError(Exception):
     """Bad input from the command line; printed as one line, exit status 2."""
@@ -66,13 +46,10 @@ def parse_size(text: str) -> int:
     >>> parse_size("64MiB"), parse_size("1.5k"), parse_size("10")
     (67108864, 1536, 10)
     """
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use bytes or a number with a unit, e.g. 64MiB, 1.5GiB, 500MB"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
+    try:
+        return parse_bytes(text)[0]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(text: str) -> int:
