@@ -66,8 +66,8 @@ def test_loop_larger_than_the_cache_keeps_hits():
 
 def test_adaptive_half_life_stays_in_bounds_and_is_reported():
     keys = _zipf_keys(60000, seed=3)
-    _, state, _ = _drive(lfu(), keys, 30)
-    info = lfu().describe(state)
+    _, state, _ = _drive(lfu(half_life=None), keys, 30)
+    info = lfu(half_life=None).describe(state)
     assert info["adaptive"] is True
     assert 2.0**8 <= info["half_life"] <= 2.0**20
     fixed = lfu(half_life=100.0)
@@ -101,3 +101,5 @@ def test_names_and_validation():
         with pytest.raises(ValueError):
             lfu(**bad)
     assert lfu(half_life=math.inf).describe(lfu(half_life=math.inf).init(1))["half_life"] is None
+    default = lfu().describe(lfu().init(1))
+    assert default["adaptive"] is True  # the default half-life adapts online
