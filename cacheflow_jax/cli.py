@@ -307,6 +307,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# train
+
+
+def _run_train(argv: Sequence[str]) -> int:
+    """``cacheflow train ...`` runs ``python -m training.main ...``: the offline training script.
+
+    The library never imports ``training/`` (DESIGN.md: dependencies point one way), so the
+    command hands its arguments to the script in a child process and returns its exit status.
+    """
+    import subprocess
+
+    return subprocess.call([sys.executable, "-m", "training.main", *argv])
+
+
+# --------------------------------------------------------------------------------------------
 # main
 
 
@@ -413,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_replay)
+
+    sub.add_parser(
+        "train",
+        help="train the predictor MLP on access logs (see cacheflow train --help)",
+        add_help=False,
+    )
     return parser
 
 
@@ -426,6 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       The exit status: 0 on success, 2 on a user error (bad arguments, missing path, a location
       that is not a store), 1 when the demo's passes disagree.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        return _run_train(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

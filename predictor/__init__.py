@@ -1,5 +1,66 @@
-"""Next-key predictors for the prefetcher (the `Predictor` protocol, baselines, the Flax MLP).
+"""Next-key predictors for the prefetcher: the `Predictor` protocol, baselines, the Flax MLP.
 
-Filled in by the predictor issue; the cache talks to predictors only through
-`cacheflow_jax.Prefetcher`.
+The cache talks to predictors only through the `Predictor` protocol (structurally the same as
+`cacheflow_jax.Prefetcher`): ``observe(access)``, ``predict(k) -> [(key, score)]``, ``reset()``.
+
+* baselines: `last_successor()`, `markov(decay=...)`, `stride()`;
+* the learned predictor: `mlp(model, config)` / `load(path)` give an `MLPPredictor`, which scores
+  key-agnostic candidate features (`FeatureConfig`, `FEATURES`) with a `ScoreMLP`;
+* `save` / `load` write and read it with orbax; a bad checkpoint is a `CheckpointError`;
+* `prediction_metrics` / `run_predictor`: precision and recall as in docs/predictor.md.
+
+>>> import predictor
+>>> p = predictor.markov()
+>>> for key in ["kv:1", "kv:2", "kv:1"]:
+...     p.observe({"key": key, "t": 0.0, "nbytes": 1, "kind": "kv"})
+>>> p.predict(2)
+[('kv:2', 1.0)]
 """
+
+from predictor._baselines import (
+    BASELINES,
+    LastSuccessor,
+    Markov,
+    Stride,
+    join_index,
+    last_successor,
+    markov,
+    split_index,
+    stride,
+)
+from predictor._checkpoint import FORMAT_VERSION, CheckpointError, load, read_meta, save
+from predictor._features import FEATURES, NUM_FEATURES, FeatureConfig, FeatureState
+from predictor._metrics import Metrics, prediction_metrics, run_predictor
+from predictor._model import MLPPredictor, ScoreMLP, mlp, score_candidates
+from predictor._protocol import Access, Predictor, as_access
+
+__all__ = [
+    "BASELINES",
+    "FEATURES",
+    "FORMAT_VERSION",
+    "NUM_FEATURES",
+    "Access",
+    "CheckpointError",
+    "FeatureConfig",
+    "FeatureState",
+    "LastSuccessor",
+    "MLPPredictor",
+    "Markov",
+    "Metrics",
+    "Predictor",
+    "ScoreMLP",
+    "Stride",
+    "as_access",
+    "join_index",
+    "last_successor",
+    "load",
+    "markov",
+    "mlp",
+    "prediction_metrics",
+    "read_meta",
+    "run_predictor",
+    "save",
+    "score_candidates",
+    "split_index",
+    "stride",
+]

@@ -1,0 +1,158 @@
+"""The learned predictor: a Flax NNX MLP that scores candidate keys from `FeatureState` features.
+
+The model never sees a key, only the features of each candidate (`predictor._features`), so it
+ranks keys it never saw in training. `MLPPredictor` serves it: the model is split once
+(``nnx.split``) and a pure scoring function is jitted over a fixed ``(max_candidates,
+NUM_FEATURES)`` input, so every call reuses one compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from predictor._features import FEATURES, NUM_FEATURES, FeatureConfig, FeatureState
+from predictor._protocol import Access
+
+
+class ScoreMLP(nnx.Module):
+    """Two hidden ReLU layers mapping candidate features ``[..., F]`` to two logits ``[..., 2]``.
+
+    Logit 0: the candidate is accessed within the lookahead window (the score that is reported
+    and thresholded). Logit 1: the candidate is the very next access (urgency, used in ranking).
+
+    Args:
+      num_features: F, the width of a candidate's feature vector.
+      hidden: width of both hidden layers.
+      rngs: the initialisation keys.
+    """
+
+    def __init__(self, num_features: int = NUM_FEATURES, *, hidden: int = 64, rngs: nnx.Rngs):
+        self.hidden1 = nnx.Linear(num_features, hidden, rngs=rngs)
+        self.hidden2 = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Logits ``[..., 2]``: (accessed within the window, accessed next)."""
+        x = nnx.relu(self.hidden1(x))
+        x = nnx.relu(self.hidden2(x))
+        return self.out(x)
+
+
+def score_candidates(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
+    """Scores of the candidates ``x`` (``[..., C, F]``) under the split model; pure.
+
+    Returns:
+      ``[..., C, 2]``: the probability of an access within the window, and the ranking score
+      ``p_window * (1 + p_next) / 2``, which puts the keys needed soonest first among keys
+      equally likely to be needed (a key needed next has one chance left to be prefetched).
+    """
+    p = jax.nn.sigmoid(nnx.merge(graphdef, state)(x))
+    p_window, p_next = p[..., 0], p[..., 1]
+    return jnp.stack([p_window, p_window * (1.0 + p_next) * 0.5], axis=-1)
+
+
+_CHAIN, _MARKOV_RANK = FEATURES.index("successor_chain"), FEATURES.index("markov_rank")
+
+
+class MLPPredictor:
+    """A `Predictor` that ranks the `FeatureState` candidates with a trained `ScoreMLP`.
+
+    ``predict(k)`` proposes, by ranking score, the candidates whose probability of being accessed
+    within the window is at least ``min_score`` (confident proposals); if that leaves room, it
+    adds up to ``hedge`` of the best-ranked *successor* candidates (the last successor or a Markov
+    successor of the current key) whatever their probability. The hedge is what the
+    successor baselines always do; at a fork of the access stream (a key with many successors)
+    no candidate is confident, and the hedge keeps the recall of the baselines at a small cost in
+    precision.
+
+    Args:
+      model: the trained model (split once here; later changes to it are not seen).
+      config: the feature settings the model was trained with.
+      min_score: the lowest probability of a confident proposal.
+      hedge: successor candidates proposed below ``min_score`` when there is room.
+    """
+
+    def __init__(
+        self, model: ScoreMLP, config: FeatureConfig, *, min_score: float = 0.0, hedge: int = 0
+    ):
+        if not 0.0 <= min_score <= 1.0 or hedge < 0:
+            raise ValueError(f"min_score={min_score} must be in [0, 1] and hedge={hedge} >= 0")
+        self.config = config
+        self.min_score = min_score
+        self.hedge = hedge
+        self.hidden = model.hidden1.out_features
+        self._graphdef, self._state = nnx.split(model)
+        # The parameters are closed over (constants of the compiled program): one array argument
+        # per call keeps the dispatch cost of a serving-time call low.
+        self._score = jax.jit(functools.partial(score_candidates, self._graphdef, self._state))
+        self._buf = np.zeros((config.max_candidates, NUM_FEATURES), np.float32)
+        self.features = FeatureState(config)
+
+    def model(self) -> ScoreMLP:
+        """The served model, merged from its split state."""
+        return nnx.merge(self._graphdef, self._state)
+
+    def reset(self) -> None:
+        """Forgets every observed access (the model is kept)."""
+        self.features.reset()
+
+    def observe(self, access: Access | Mapping[str, Any]) -> None:
+        """Updates the stream statistics with one access."""
+        self.features.observe(access)
+
+    def predict(self, k: int) -> list[tuple[str, float]]:
+        """Up to ``k`` candidates by model probability, best first (ties: source priority)."""
+        buf = self._buf
+        buf.fill(0.0)
+        keys = self.features.features_into(buf)
+        if not keys or k < 1:
+            return []
+        scores = np.asarray(self._score(buf))[: len(keys)]
+        order = np.argsort(-scores[:, 1], kind="stable").tolist()
+        chosen = [i for i in order if scores[i, 0] >= self.min_score][:k]
+        if self.hedge and len(chosen) < k:
+            room = min(k - len(chosen), self.hedge)
+            for i in order:
+                if room == 0:
+                    break
+                if (buf[i, _CHAIN] == 1.0 or buf[i, _MARKOV_RANK] > 0) and i not in chosen:
+                    chosen.append(i)
+                    room -= 1
+        return [(keys[i], float(scores[i, 0])) for i in chosen]
+
+
+def mlp(
+    model: ScoreMLP | None = None,
+    config: FeatureConfig | None = None,
+    *,
+    min_score: float = 0.0,
+    hedge: int = 0,
+    seed: int = 0,
+    hidden: int = 64,
+) -> MLPPredictor:
+    """An `MLPPredictor` (an untrained one when ``model`` is None; see `predictor.load`).
+
+    Args:
+      model: a trained `ScoreMLP`, or None for a freshly initialised one.
+      config: feature settings (default `FeatureConfig()`).
+      min_score: the lowest probability of a confident proposal.
+      hedge: successor candidates proposed below ``min_score`` when there is room.
+      seed: initialisation seed when ``model`` is None.
+      hidden: hidden width when ``model`` is None.
+
+    Returns:
+      The predictor.
+
+    Raises:
+      ValueError: ``min_score`` outside [0, 1] or a negative ``hedge``.
+    """
+    if model is None:
+        model = ScoreMLP(NUM_FEATURES, hidden=hidden, rngs=nnx.Rngs(seed))
+    return MLPPredictor(model, config or FeatureConfig(), min_score=min_score, hedge=hedge)

@@ -1,0 +1,149 @@
+"""``python -m training.main LOG... --out DIR``: train the predictor MLP (thin; see train.py).
+
+Same options as ``cacheflow train``. Prints a table of the evaluation, or with ``--json``
+``{"eval": {"mlp": {"precision", "recall"}, "last_successor": ..., "markov": ..., "stride":
+...}, "train_seconds", "predict_us", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from training import train
+
+_NAMES = ("mlp", "last_successor", "markov", "stride")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the training options (shared with ``cacheflow train``) to ``p``."""
+    d = train.TrainConfig
+    p.add_argument("logs", nargs="+", metavar="LOG", help="access logs (v1 or Mooncake JSONL)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output directory: checkpoint/, metrics.json, loss.png",
+    )
+    p.add_argument(
+        "--history",
+        type=int,
+        default=d.history,
+        metavar="K",
+        help=f"keys of context whose successors are candidates (default {d.history})",
+    )
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=d.lookahead,
+        metavar="W",
+        help=f"prediction window in accesses (default {d.lookahead})",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=d.top_k,
+        metavar="K",
+        help=f"keys proposed per access in the evaluation (default {d.top_k})",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=d.epochs,
+        metavar="N",
+        help=f"passes over the training examples (default {d.epochs})",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=d.eval_fraction,
+        metavar="F",
+        help=f"held-out tail of each log, by time (default {d.eval_fraction})",
+    )
+    p.add_argument(
+        "--eval-log",
+        action="append",
+        default=[],
+        metavar="LOG",
+        help="also evaluate the trained model, unchanged, on LOG's tail (repeatable)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, metavar="S", help="seed (default 0)")
+    p.add_argument(
+        "--min-score",
+        type=float,
+        default=d.min_score,
+        metavar="P",
+        help=f"lowest probability of a confident proposal (default {d.min_score})",
+    )
+    p.add_argument(
+        "--hedge",
+        type=int,
+        default=d.hedge,
+        metavar="N",
+        help=f"successor proposals added below --min-score (default {d.hedge})",
+    )
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def config_from_args(args: argparse.Namespace) -> train.TrainConfig:
+    """The `train.TrainConfig` the parsed options ask for.
+
+    Raises:
+      ValueError: a setting out of range.
+    """
+    return train.config(
+        args.logs,
+        args.out,
+        eval_logs=args.eval_log,
+        history=args.history,
+        lookahead=args.lookahead,
+        top_k=args.top_k,
+        epochs=args.epochs,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        min_score=args.min_score,
+        hedge=args.hedge,
+        progress=not args.no_progress,
+    )
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """The evaluation as a table: one row per predictor, a column pair per evaluated set."""
+    sets = [("eval", metrics["eval"])] + [
+        (f"cross: {p}", m) for p, m in metrics.get("cross_eval", {}).items()
+    ]
+    lines = []
+    for title, table in sets:
+        lines.append(title)
+        lines.append(f"  {'predictor':<15} {'precision':>9} {'recall':>7}")
+        for name in _NAMES:
+            row = table[name]
+            lines.append(f"  {name:<15} {row['precision']:>9.4f} {row['recall']:>7.4f}")
+    us = metrics.get("predict_us")
+    lines.append(
+        f"train_seconds {metrics['train_seconds']:.1f}, predict_us "
+        f"{'-' if us is None else f'{us:.0f}'}; wrote {metrics.get('checkpoint', '-')}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses the options, trains, prints the evaluation; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="cacheflow train", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        metrics = train.run(config_from_args(args), log=lambda line: print(line, file=sys.stderr))
+    except (FileNotFoundError, ValueError, OSError) as err:  # bad input: one line, status 2
+        print(f"cacheflow train: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, indent=1) if args.json else format_metrics(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

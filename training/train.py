@@ -1,0 +1,630 @@
+"""Training the predictor MLP on access logs: logs -> examples -> Optax loop -> checkpoint.
+
+Pipeline (`run`):
+
+1. Read each log with `cacheflow_jax._trace.read_trace` and split it by time: the last
+   ``eval_fraction`` of its accesses (moved forward to the next timestamp, so one Mooncake
+   request is never cut in two) is held out.
+2. Walk each log once with a `predictor.FeatureState`; at sampled positions of the head (whose
+   whole lookahead window lies in the head) record the candidates' features and labels (1 if the
+   candidate is accessed within the next ``lookahead`` accesses).
+3. Train a `predictor.ScoreMLP` with masked binary cross-entropy, AdamW with linear warm-up and
+   cosine decay, a fixed seed; the model is split once and a pure step function is jitted.
+4. Evaluate the MLP and the baselines on every log's tail (and on ``eval_logs``, which are never
+   trained on) with `predictor.prediction_metrics`; time the MLP's ``predict``.
+5. Write ``checkpoint/`` (orbax), ``metrics.json`` and ``loss.png`` under ``out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import predictor
+from cacheflow_jax._trace import Trace, read_trace
+from predictor import FeatureConfig, FeatureState, MLPPredictor, ScoreMLP
+
+BASELINE_NAMES = ("last_successor", "markov", "stride")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """All settings of a training run; make one with `config`.
+
+    Attributes:
+      logs: access logs to train on (any format `read_trace` reads); their tails are evaluated.
+      out: output directory (checkpoint/, metrics.json, loss.png).
+      eval_logs: logs only evaluated on (cross-trace), never trained on.
+      history: H, keys of context whose successors are candidates.
+      lookahead: W, the prediction window (labels and metrics).
+      top_k: keys each predictor proposes per position in the evaluation.
+      epochs: passes over the training examples.
+      eval_fraction: the held-out tail of each log (by time), in (0, 1).
+      seed: seeds the example sampling, the initialisation and the batch order.
+      learning_rate: AdamW peak learning rate.
+      weight_decay: AdamW weight decay.
+      warmup_fraction: share of the steps with a linear warm-up (then cosine decay).
+      batch_size: positions per step (each with up to ``max_candidates`` candidates).
+      hidden: width of the MLP's hidden layers.
+      max_candidates: candidates scored per position.
+      max_train_positions: training positions sampled per log (all when fewer).
+      max_eval_examples: held-out positions sampled per log for the eval loss curve.
+      min_score: the served predictor's lowest probability of a confident proposal.
+      hedge: successor candidates the served predictor adds below ``min_score`` (see
+        `predictor.MLPPredictor`).
+      timing_calls: ``predict`` calls timed for ``predict_us`` (after 100 warm-up calls).
+      progress: show progress bars on stderr.
+    """
+
+    logs: tuple[str, ...]
+    out: Path
+    eval_logs: tuple[str, ...] = ()
+    history: int = 4
+    lookahead: int = 8
+    top_k: int = 4
+    epochs: int = 8
+    eval_fraction: float = 0.3
+    seed: int = 0
+    learning_rate: float = 3e-3
+    weight_decay: float = 1e-4
+    warmup_fraction: float = 0.05
+    batch_size: int = 256
+    hidden: int = 64
+    max_candidates: int = 48
+    max_train_positions: int = 100_000
+    max_eval_examples: int = 8_000
+    min_score: float = 0.8
+    hedge: int = 2
+    timing_calls: int = 2_000
+    progress: bool = True
+
+    def feature_config(self) -> FeatureConfig:
+        """The feature settings these training settings imply."""
+        return FeatureConfig(
+            history=self.history,
+            lookahead=self.lookahead,
+            max_candidates=self.max_candidates,
+            chain_depth=self.lookahead,
+        )
+
+
+def config(logs: Sequence[str], out: str | Path, **overrides: Any) -> TrainConfig:
+    """The training settings: defaults, then ``overrides``; the one place settings are made.
+
+    Args:
+      logs: access logs to train on.
+      out: the output directory.
+      **overrides: any other `TrainConfig` field.
+
+    Returns:
+      The checked settings.
+
+    Raises:
+      ValueError: no logs, an unknown setting, or a value out of range (the message names it).
+    """
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise ValueError(f"unknown training settings {sorted(unknown)}; known: {sorted(names)}")
+    if not logs:
+        raise ValueError("give at least one access log to train on")
+    cfg = TrainConfig(
+        logs=tuple(str(p) for p in logs),
+        out=Path(out).expanduser().resolve(),
+        **{k: (tuple(map(str, v)) if k == "eval_logs" else v) for k, v in overrides.items()},
+    )
+    for name in (
+        "history",
+        "lookahead",
+        "top_k",
+        "epochs",
+        "batch_size",
+        "hidden",
+        "max_candidates",
+        "max_train_positions",
+        "max_eval_examples",
+        "timing_calls",
+    ):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if not 0.0 < cfg.eval_fraction < 1.0:
+        raise ValueError(f"--eval-fraction must be in (0, 1), got {cfg.eval_fraction}")
+    if not 0.0 <= cfg.warmup_fraction < 1.0:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
+    if not 0.0 <= cfg.min_score <= 1.0 or cfg.hedge < 0:
+        raise ValueError(
+            f"--min-score {cfg.min_score} must be in [0, 1] and --hedge {cfg.hedge} >= 0"
+        )
+    if not cfg.learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    cfg.feature_config()  # checks the feature settings too
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+def accesses_of(trace: Trace) -> list[predictor.Access]:
+    """The trace's accesses as `predictor.Access` records."""
+    return [
+        predictor.Access(k, t, n, kind, req)
+        for k, t, n, kind, req in zip(
+            trace.keys, trace.t.tolist(), trace.nbytes.tolist(), trace.kinds, trace.reqs
+        )
+    ]
+
+
+def split_point(t: np.ndarray, eval_fraction: float) -> int:
+    """The first held-out position: the last ``eval_fraction`` of accesses, cut between timestamps.
+
+    Args:
+      t: the accesses' times (non-decreasing).
+      eval_fraction: the share held out, in (0, 1).
+
+    Returns:
+      ``start`` with ``t[start-1] < t[start]`` (unless no later timestamp exists), ``1 <= start``.
+
+    >>> split_point(np.array([0., 0., 1., 1., 1., 2.]), 0.5)
+    5
+    """
+    n = len(t)
+    start = min(max(int(math.ceil((1.0 - eval_fraction) * n)), 1), n - 1) if n > 1 else n
+    while 0 < start < n and t[start] == t[start - 1]:
+        start += 1
+    if start >= n:  # one timestamp to the end: fall back to the plain access count
+        start = min(max(int(math.ceil((1.0 - eval_fraction) * n)), 1), n)
+    return start
+
+
+@dataclasses.dataclass
+class Examples:
+    """Candidate features and labels at sampled positions."""
+
+    x: np.ndarray  # float32 [P, C, F]
+    y: np.ndarray  # float32 [P, C, 2]: accessed within the window; accessed next
+    mask: np.ndarray  # float32 [P, C], 1 for a real candidate
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def build_examples(
+    accesses: Sequence[predictor.Access],
+    feature_config: FeatureConfig,
+    positions: dict[str, np.ndarray],
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Examples]:
+    """Walks the stream once and records examples at each named set of positions.
+
+    Args:
+      accesses: the stream.
+      feature_config: the feature settings.
+      positions: name -> sorted positions at which to record (after observing that access).
+      progress: called with the number of accesses walked, now and then.
+
+    Returns:
+      name -> the `Examples` at those positions; a candidate's labels are whether its key is
+      accessed within the next ``feature_config.lookahead`` accesses, and whether it is the next.
+    """
+    c, f = feature_config.max_candidates, predictor.NUM_FEATURES
+    w = feature_config.lookahead
+    out = {
+        name: Examples(
+            np.zeros((len(p), c, f), np.float32),
+            np.zeros((len(p), c, 2), np.float32),
+            np.zeros((len(p), c), np.float32),
+        )
+        for name, p in positions.items()
+    }
+    wanted: dict[int, list[tuple[str, int]]] = {}
+    for name, pos in positions.items():
+        for row, i in enumerate(pos.tolist()):
+            wanted.setdefault(i, []).append((name, row))
+    keys = [a.key for a in accesses]
+    state = FeatureState(feature_config)
+    last = max(wanted, default=-1)
+    for i, access in enumerate(accesses[: last + 1]):
+        state.observe(access)
+        if progress is not None and i % 4096 == 4095:
+            progress(4096)
+        for name, row in wanted.get(i, ()):
+            ex = out[name]
+            cands = state.features_into(ex.x[row])
+            window = set(keys[i + 1 : i + 1 + w])
+            nxt = keys[i + 1] if i + 1 < len(keys) else None
+            ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
+            ex.mask[row, : len(cands)] = 1.0
+    return out
+
+
+def _sample(lo: int, hi: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    if hi <= lo:
+        return np.zeros(0, np.int64)
+    if hi - lo <= n:
+        return np.arange(lo, hi)
+    return np.sort(rng.choice(np.arange(lo, hi), size=n, replace=False))
+
+
+# --------------------------------------------------------------------------------------------
+# optimisation
+
+
+def masked_bce(model: ScoreMLP, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean binary cross-entropy of both logits (window, next) over the real candidates."""
+    losses = optax.sigmoid_binary_cross_entropy(model(x), y).sum(-1)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_optimizer(cfg: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with a linear warm-up to ``learning_rate`` and a cosine decay to 1% of it."""
+    warmup = max(1, int(cfg.warmup_fraction * total_steps))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.learning_rate * 0.01,
+    )
+    return optax.adamw(schedule, weight_decay=cfg.weight_decay)
+
+
+def fit(
+    cfg: TrainConfig, train: Examples, held_out: Examples | None
+) -> tuple[ScoreMLP, dict[str, Any]]:
+    """Trains a `ScoreMLP` on ``train``; returns it and the loss history.
+
+    Args:
+      cfg: the settings (epochs, batch size, optimiser, seed, width).
+      train: the training examples (at least one).
+      held_out: examples for the per-epoch eval loss, or None.
+
+    Returns:
+      ``(model, history)`` with history ``{"steps", "train_loss": [per step], "eval_loss":
+      [(step, loss) per epoch], "initial_eval_loss"}``.
+
+    Raises:
+      ValueError: no training examples.
+    """
+    if len(train) == 0:
+        raise ValueError(
+            "no training examples: the logs' heads are shorter than the lookahead window; give "
+            "longer logs or a smaller --eval-fraction/--lookahead"
+        )
+    model = ScoreMLP(predictor.NUM_FEATURES, hidden=cfg.hidden, rngs=nnx.Rngs(cfg.seed))
+    graphdef, params = nnx.split(model)
+    bs = min(cfg.batch_size, len(train))
+    per_epoch = max(1, len(train) // bs)
+    total = per_epoch * cfg.epochs
+    tx = make_optimizer(cfg, total)
+    opt_state = tx.init(params)
+
+    def loss_fn(params: nnx.State, x: jax.Array, y: jax.Array, m: jax.Array) -> jax.Array:
+        return masked_bce(nnx.merge(graphdef, params), x, y, m)
+
+    @jax.jit
+    def step(params, opt_state, x, y, m):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y, m)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    eval_loss = jax.jit(loss_fn)
+
+    def held_out_loss(params: nnx.State) -> float:
+        if held_out is None or len(held_out) == 0:
+            return float("nan")
+        return float(eval_loss(params, held_out.x, held_out.y, held_out.mask))
+
+    rng = np.random.default_rng([cfg.seed, 1])
+    history: dict[str, Any] = {
+        "steps": total,
+        "train_loss": [],
+        "eval_loss": [],
+        "initial_eval_loss": held_out_loss(params),
+    }
+    bar = tqdm(
+        total=total,
+        desc="train",
+        unit="step",
+        file=sys.stderr,
+        disable=not cfg.progress,
+        mininterval=0.5,
+    )
+    with bar:
+        for epoch in range(cfg.epochs):
+            order = rng.permutation(len(train))
+            for b in range(per_epoch):
+                idx = np.sort(order[b * bs : (b + 1) * bs])
+                params, opt_state, loss = step(
+                    params, opt_state, train.x[idx], train.y[idx], train.mask[idx]
+                )
+                history["train_loss"].append(float(loss))
+                bar.update(1)
+            ev = held_out_loss(params)
+            history["eval_loss"].append(((epoch + 1) * per_epoch, ev))
+            bar.set_postfix(loss=f"{history['train_loss'][-1]:.4f}", eval=f"{ev:.4f}")
+    return nnx.merge(graphdef, params), history
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation
+
+
+def evaluate(
+    mlp: MLPPredictor,
+    accesses: Sequence[predictor.Access],
+    *,
+    start: int,
+    top_k: int,
+    lookahead: int,
+    timing_calls: int = 0,
+) -> dict[str, Any]:
+    """Precision and recall of the MLP and the baselines on ``accesses[start:]``.
+
+    Every predictor observes the whole stream from its beginning (the head warms up its
+    statistics) and predicts at each position from ``start`` on; the MLP is reset first.
+
+    Args:
+      mlp: the learned predictor.
+      accesses: the stream.
+      start: the first evaluated position.
+      top_k: keys asked for per position.
+      lookahead: W of the metrics.
+      timing_calls: also time this many MLP ``predict`` calls (after 100 warm-up calls).
+
+    Returns:
+      ``{"mlp": Metrics, "last_successor": ..., "markov": ..., "stride": ..., "predict_us":
+      median microseconds per MLP predict call (None when not timed)}``.
+    """
+    keys = [a.key for a in accesses]
+    out: dict[str, Any] = {}
+    mlp.reset()
+    times: list[float] = []
+    preds: list[list[str]] = []
+    clock = time.perf_counter
+    for i, access in enumerate(accesses):
+        mlp.observe(access)
+        if i >= start:
+            t0 = clock()
+            got = mlp.predict(top_k)
+            times.append(clock() - t0)
+            preds.append([key for key, _ in got])
+    out["mlp"] = predictor.prediction_metrics(keys, preds, start=start, lookahead=lookahead)
+    for name in BASELINE_NAMES:
+        preds = predictor.run_predictor(
+            predictor.BASELINES[name](), accesses, start=start, top_k=top_k
+        )
+        out[name] = predictor.prediction_metrics(keys, preds, start=start, lookahead=lookahead)
+    timed = times[100 : 100 + timing_calls] if timing_calls else []
+    out["predict_us"] = statistics.median(timed) * 1e6 if timed else None
+    return out
+
+
+def pooled(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Precision and recall of each predictor over several logs' evaluations (pooled counts)."""
+    out = {}
+    for name in ("mlp", *BASELINE_NAMES):
+        made = sum(r[name]["predictions"] for r in results)
+        correct = sum(r[name]["correct"] for r in results)
+        events = sum(r[name]["seen_accesses"] for r in results)
+        hits = sum(r[name]["predicted_accesses"] for r in results)
+        out[name] = {
+            "precision": correct / made if made else 0.0,
+            "recall": hits / events if events else 0.0,
+        }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+
+
+def plot_losses(history: dict[str, Any], path: Path) -> None:
+    """Writes the training and eval loss curves as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    losses = np.asarray(history["train_loss"])
+    ax.plot(np.arange(1, len(losses) + 1), losses, lw=0.6, alpha=0.5, label="train (per step)")
+    if len(losses) >= 20:
+        k = max(1, len(losses) // 50)
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax.plot(np.arange(k, len(losses) + 1), smooth, lw=1.5, label=f"train (mean of {k})")
+    ev = [(s, v) for s, v in history["eval_loss"] if not math.isnan(v)]
+    if ev:
+        steps, values = zip(*([(0, history["initial_eval_loss"])] + ev))
+        ax.plot(steps, values, "o-", label="held-out tail")
+    ax.set_xlabel("step")
+    ax.set_ylabel("masked BCE")
+    ax.set_title("predictor MLP loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _read(path: str) -> list[predictor.Access]:
+    return accesses_of(read_trace(path))
+
+
+def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Reads the logs, trains, evaluates, and writes the checkpoint, metrics.json and loss.png.
+
+    Args:
+      cfg: the settings (see `config`).
+      log: receives one-line progress messages.
+
+    Returns:
+      The metrics (also written to ``cfg.out / "metrics.json"``): ``{"eval": {"mlp":
+      {"precision", "recall"}, "last_successor": ..., "markov": ..., "stride": ...},
+      "train_seconds", "predict_us", "logs": {path: details}, "eval_logs": {path: details},
+      "train": {...}, "checkpoint", "config"}``.
+
+    Raises:
+      FileNotFoundError: a log does not exist.
+      ValueError: a log is malformed or too short to train on.
+    """
+    t_start = time.perf_counter()
+    fcfg = cfg.feature_config()
+    rng = np.random.default_rng([cfg.seed, 0])
+    streams, splits, train_sets, held_sets = [], [], [], []
+    for path in cfg.logs:
+        accesses = _read(path)
+        start = split_point(np.array([a.t for a in accesses]), cfg.eval_fraction)
+        streams.append(accesses)
+        splits.append(start)
+        positions = {
+            "train": _sample(0, start - cfg.lookahead, cfg.max_train_positions, rng),
+            "held_out": _sample(start, len(accesses) - cfg.lookahead, cfg.max_eval_examples, rng),
+        }
+        log(
+            f"train: {path}: {len(accesses)} accesses, training on [0, {start}), evaluating "
+            f"[{start}, {len(accesses)}); {len(positions['train'])} training positions"
+        )
+        with tqdm(
+            total=len(accesses),
+            desc="examples",
+            unit="acc",
+            file=sys.stderr,
+            disable=not cfg.progress,
+            mininterval=0.5,
+        ) as bar:
+            ex = build_examples(accesses, fcfg, positions, progress=bar.update)
+        train_sets.append(ex["train"])
+        held_sets.append(ex["held_out"])
+    train = _concat(train_sets)
+    held_out = _concat(held_sets)
+    model, history = fit(cfg, train, held_out)
+    mlp = MLPPredictor(model, fcfg, min_score=cfg.min_score, hedge=cfg.hedge)
+    train_seconds = time.perf_counter() - t_start
+
+    per_log, results = {}, []
+    for path, accesses, start in zip(cfg.logs, streams, splits):
+        r = evaluate(
+            mlp,
+            accesses,
+            start=start,
+            top_k=cfg.top_k,
+            lookahead=cfg.lookahead,
+            timing_calls=cfg.timing_calls,
+        )
+        results.append(r)
+        per_log[path] = {"accesses": len(accesses), "start": start, **r}
+    cross = {}
+    for path in cfg.eval_logs:
+        accesses = _read(path)
+        start = split_point(np.array([a.t for a in accesses]), cfg.eval_fraction)
+        r = evaluate(
+            mlp,
+            accesses,
+            start=start,
+            top_k=cfg.top_k,
+            lookahead=cfg.lookahead,
+            timing_calls=cfg.timing_calls,
+        )
+        cross[path] = {"accesses": len(accesses), "start": start, **r}
+    timed = [r["predict_us"] for r in results if r["predict_us"] is not None]
+    metrics = {
+        "eval": pooled(results),
+        "train_seconds": train_seconds,
+        "predict_us": statistics.median(timed) if timed else None,
+        "cross_eval": {p: pooled([r]) for p, r in cross.items()},
+        "logs": per_log,
+        "eval_logs": cross,
+        "train": {
+            "examples": len(train),
+            "held_out_examples": len(held_out),
+            "mean_candidates": float(train.mask.sum(1).mean()),
+            "positive_rate": float(
+                (train.y[..., 0] * train.mask).sum() / max(train.mask.sum(), 1.0)
+            ),
+            "steps": history["steps"],
+            "final_train_loss": float(np.mean(history["train_loss"][-20:])),
+            "initial_eval_loss": history["initial_eval_loss"],
+            "eval_loss": history["eval_loss"],
+        },
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
+        },
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    ckpt = predictor.save(
+        cfg.out / "checkpoint", mlp, extra={"eval": metrics["eval"], "logs": list(cfg.logs)}
+    )
+    metrics["checkpoint"] = str(ckpt)
+    plot_losses(history, cfg.out / "loss.png")
+    (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return metrics
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    logs: Sequence[str],
+    *,
+    top_k: int = 4,
+    eval_fraction: float = 0.3,
+    timing_calls: int = 2_000,
+) -> dict[str, Any]:
+    """Evaluates a saved predictor, unchanged, on the tails of ``logs`` (no training).
+
+    Args:
+      checkpoint: a directory written by `run` (``OUT/checkpoint``) or `predictor.save`.
+      logs: access logs to evaluate on.
+      top_k: keys asked for per position.
+      eval_fraction: the evaluated tail of each log; the head only warms up the predictors.
+      timing_calls: MLP ``predict`` calls timed.
+
+    Returns:
+      ``{"eval": pooled metrics, "predict_us", "logs": {path: details}}``.
+
+    Raises:
+      predictor.CheckpointError: the checkpoint is missing or unreadable.
+    """
+    mlp = predictor.load(checkpoint)
+    results, per_log = [], {}
+    for path in logs:
+        accesses = _read(path)
+        start = split_point(np.array([a.t for a in accesses]), eval_fraction)
+        r = evaluate(
+            mlp,
+            accesses,
+            start=start,
+            top_k=top_k,
+            lookahead=mlp.config.lookahead,
+            timing_calls=timing_calls,
+        )
+        results.append(r)
+        per_log[path] = {"accesses": len(accesses), "start": start, **r}
+    timed = [r["predict_us"] for r in results if r["predict_us"] is not None]
+    return {
+        "eval": pooled(results),
+        "predict_us": statistics.median(timed) if timed else None,
+        "logs": per_log,
+    }
+
+
+def _concat(parts: Sequence[Examples]) -> Examples:
+    return Examples(
+        np.concatenate([p.x for p in parts]),
+        np.concatenate([p.y for p in parts]),
+        np.concatenate([p.mask for p in parts]),
+    )
