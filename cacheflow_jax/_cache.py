@@ -355,10 +355,10 @@ class TieredCache:
                 host_value = self._load_host(key, info.nbytes, value)
             with self._lock:
                 if in_l1:
-                    self._tiers[DEVICE].put_reserved(key, value)
+                    self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
                     self.policy.insert(self._pstate, DEVICE, key, self._clock())
                 elif host_value is not None:
-                    self._tiers[HOST].put_reserved(key, host_value)
+                    self._tiers[HOST].put_reserved(key, host_value, info.nbytes)
                     self.policy.insert(self._pstate, HOST, key, self._clock())
                 if in_l1 or host_value is not None:
                     self._unwritten.pop(key, None)
@@ -434,7 +434,7 @@ class TieredCache:
         finally:
             with self._lock:
                 if host_value is not None:
-                    self._tiers[HOST].put_reserved(key, host_value)
+                    self._tiers[HOST].put_reserved(key, host_value, nbytes)
                     self.policy.insert(self._pstate, HOST, key, self._clock())
                 elif self._is_dirty(key):
                     self._unwritten[key] = value  # written back later; readers are served from it
@@ -506,11 +506,12 @@ class TieredCache:
             return
         now = self._clock()
         access, state, popleft = self.policy.access, self._pstate, reads.popleft
-        runtime, store_info = self._runtime, self.store.info
+        size_of = self._tiers[DEVICE].sizes.get
         nbytes = 0
         for _ in range(count):
             key = popleft()
-            nbytes += (runtime.get(key) or store_info(key)).nbytes
+            # The block was in L1 when hit; if it left since, look its size up in the store.
+            nbytes += size_of(key) or self.info(key).nbytes
             access(state, key, now)
         n = self._n
         n["device"] += count
@@ -583,7 +584,7 @@ class TieredCache:
             if not self._make_room(DEVICE, info.nbytes, None):
                 raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
             with self._lock:
-                self._tiers[DEVICE].put_reserved(key, value)
+                self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
                 self.policy.insert(self._pstate, DEVICE, key, self._clock())
                 del self._inflight[key]
                 self._notify_room()

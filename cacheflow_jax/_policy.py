@@ -174,6 +174,7 @@ def lru(*, ttl: float | None = None) -> Policy:
 # Indices into ``LfuState.params`` (a list, so that the hot path updates floats in place).
 _INV, _TICK, _GHOSTS, _SWEEP, _LOGCAP, _PRE, _KEY, _WINDOW = 0, 1, 2, 3, 4, 5, 6, 7
 _MISSES, _PERIOD_END, _PREV_HIT, _DIR, _LOGH, _ADAPT, _START, _FULL = 8, 9, 10, 11, 12, 13, 14, 15
+_LOWP = 16  # main's lowest priority when last looked up (a cheap threshold for window hits)
 _NEG = -math.inf
 _MIN_LOG_H, _MAX_LOG_H = 8.0, 20.0  # the adaptive half-life stays within 256 .. 1M accesses
 
@@ -248,7 +249,7 @@ def lfu(
             [
                 1.0 / half_life, 0.0, int(ghost_entries), _NEG, log2(count_cap), _NEG, None,
                 float(window), 0.0, 8192.0, -1.0, 1.0, log2(half_life), adaptive, 0.0,
-                [False] * num_tiers,
+                [False] * num_tiers, _NEG,
             ],
             ttl_s,
         )
@@ -263,6 +264,7 @@ def lfu(
                 continue
             current = prio[key]
             if current == p:
+                state.params[_LOWP] = p
                 return p, key
             heapreplace(heap, (current, key))  # priorities only grow: a lower bound
         return _NEG, None
@@ -277,42 +279,47 @@ def lfu(
             win[low] = None
 
     def access(state: LfuState, key: Key, now: float) -> None:
+        # The hot path (every hit, in batches): literal indices into ``params`` (see _INV..),
+        # and the rare window hit handled out of line.
         params = state.params
-        tick = params[_TICK] = params[_TICK] + 1.0
-        base = tick * params[_INV]
+        tick = params[1] = params[1] + 1.0  # _TICK
+        base = tick * params[0]  # _INV
         prio = state.prio
         old = prio.get(key)
         if old is None:
             prio[key] = base  # log2(1) + base
-            params[_PRE] = _NEG
+            params[5] = _NEG  # _PRE
             state.ghosts[key] = None
             _trim_ghosts(state)
         else:
             x = old - base  # log2 of the decayed count
-            x = x if x > 60.0 else log2(1.0 + 2.0**x)
-            cap = params[_LOGCAP]
+            if x <= 60.0:
+                x = log2(1.0 + 2.0**x)
+            cap = params[4]  # _LOGCAP
             prio[key] = base + (x if x < cap else cap)
-            params[_PRE] = old
-        params[_KEY] = key
+            params[5] = old  # _PRE
+        params[6] = key  # _KEY
         state.last[key] = now
-        for tier, win in enumerate(state.window):
-            if key in win:  # a hit in the window: promote if it now beats main's lowest
-                p, low = _top(state, tier)
-                main = state.main[tier]
-                if not all_window and (
-                    low is None
-                    or old >= p
-                    or len(main) < (1.0 - params[_WINDOW]) * (len(main) + len(win))
-                ):
-                    del win[key]
-                    main[key] = None
-                    heappush(state.heaps[tier], (prio[key], key))
-                    _demote_overflow(state, tier)
-                else:
-                    win.move_to_end(key)
+        for win in state.window:
+            if key in win:
+                _window_hit(state, state.window.index(win), key, old)
                 break
-        if params[_ADAPT] and tick >= params[_PERIOD_END]:
+        if params[13] and tick >= params[9]:  # _ADAPT, _PERIOD_END
             _adapt(state)
+
+    def _window_hit(state: LfuState, tier: int, key: Key, old: float) -> None:
+        # Promote if main is below its share or the key's previous priority beats main's lowest.
+        win, main, params = state.window[tier], state.main[tier], state.params
+        # No heap work on a hit: the test uses main's lowest priority as of the last eviction or
+        # insert, and main's overflow goes back to the window at the next insert.
+        if not all_window and (
+            old >= params[_LOWP] or len(main) < (1.0 - params[_WINDOW]) * (len(main) + len(win))
+        ):
+            del win[key]
+            main[key] = None
+            heappush(state.heaps[tier], (state.prio[key], key))
+        else:
+            win.move_to_end(key)
 
     def insert(state: LfuState, tier: int, key: Key, now: float) -> None:
         prio, params = state.prio, state.params

@@ -36,6 +36,7 @@ class AbstractTier(abc.ABC):
         self.budget = int(budget)
         self.used = 0
         self.entries = {}
+        self.sizes: dict[str, int] = {}  # key -> nbytes of entries put with put_reserved
 
     def reserve(self, nbytes: int) -> bool:
         """Reserves ``nbytes`` if they fit in the budget; returns whether they did."""
@@ -48,12 +49,14 @@ class AbstractTier(abc.ABC):
         """Returns ``nbytes`` of reserved or resident room."""
         self.used -= nbytes
 
-    def put_reserved(self, key: str, value: Any) -> None:
-        """Stores ``value`` in room already reserved for it."""
+    def put_reserved(self, key: str, value: Any, nbytes: int) -> None:
+        """Stores ``value`` (``nbytes`` bytes) in room already reserved for it."""
         self.entries[key] = value
+        self.sizes[key] = nbytes
 
     def pop(self, key: str) -> Any:
         """Removes and returns a value; its bytes stay counted until ``release``."""
+        self.sizes.pop(key, None)
         return self.entries.pop(key)
 
     @abc.abstractmethod
