@@ -172,8 +172,9 @@ def lru(*, ttl: float | None = None) -> Policy:
 # --------------------------------------------------------------------------------------------- LFU
 
 # Indices into ``LfuState.params`` (a list, so that the hot path updates floats in place).
-_INV, _TICK, _GHOSTS, _SWEEP, _LOGCAP, _PRE, _KEY, _WINDOW = 0, 1, 2, 3, 4, 5, 6, 7
+_INV, _TICK, _GHOSTS, _SWEEP, _LOGCAP, _WINDOW = 0, 1, 2, 3, 4, 7  # 5, 6: unused
 _MISSES, _PERIOD_END, _PREV_HIT, _DIR, _LOGH, _ADAPT, _START, _FULL = 8, 9, 10, 11, 12, 13, 14, 15
+_MAX_PENDING = 4096  # misses between an access and its insert (get_many batches) kept at most
 _LOWP = 16  # main's lowest priority when last looked up (a cheap threshold for window hits)
 _NEG = -math.inf
 _MIN_LOG_H, _MAX_LOG_H = 8.0, 20.0  # the adaptive half-life stays within 256 .. 1M accesses
@@ -188,6 +189,7 @@ class LfuState(NamedTuple):
     ghosts: OrderedDict  # non-resident keys with a remembered score, oldest first
     params: list  # see the _INV.. indices above
     ttl: float
+    pending: dict  # key -> its priority before the access that missed, until it is inserted
 
 
 def lfu(
@@ -252,6 +254,7 @@ def lfu(
                 [False] * num_tiers, _NEG,
             ],
             ttl_s,
+            {},
         )
 
     def _top(state: LfuState, tier: int) -> tuple:
@@ -288,7 +291,6 @@ def lfu(
         old = prio.get(key)
         if old is None:
             prio[key] = base  # log2(1) + base
-            params[5] = _NEG  # _PRE
             state.ghosts[key] = None
             _trim_ghosts(state)
         else:
@@ -297,13 +299,17 @@ def lfu(
                 x = log2(1.0 + 2.0**x)
             cap = params[4]  # _LOGCAP
             prio[key] = base + (x if x < cap else cap)
-            params[5] = old  # _PRE
-        params[6] = key  # _KEY
         state.last[key] = now
-        for win in state.window:
-            if key in win:
-                _window_hit(state, state.window.index(win), key, old)
-                break
+        if key in state.window[0]:
+            _window_hit(state, 0, key, old)
+        elif key not in state.main[0]:
+            # Not in L1, so the cache will insert it there (a key in L2 moves up): ``insert``
+            # judges it on its priority *before* this access. The cache may access several keys
+            # before inserting them (get_many), so this is kept per key.
+            pending = state.pending
+            if len(pending) >= _MAX_PENDING:
+                pending.clear()  # keys accessed but never inserted (bypassed)
+            pending[key] = _NEG if old is None else old
         if params[13] and tick >= params[9]:  # _ADAPT, _PERIOD_END
             _adapt(state)
 
@@ -324,15 +330,17 @@ def lfu(
     def insert(state: LfuState, tier: int, key: Key, now: float) -> None:
         prio, params = state.prio, state.params
         p = prio.get(key)
+        pre = state.pending.pop(key, None)
+        if pre is not None and tier == 0:
+            params[_MISSES] += 1.0  # an L1 insert right after its access: a miss
         if p is None:  # inserted without an access (e.g. a prefetch): a fresh count
             p = prio[key] = params[_TICK] * params[_INV]
             state.last[key] = now
             pre = _NEG
         else:
             state.ghosts.pop(key, None)
-            pre = params[_PRE] if params[_KEY] == key else p
-        if params[_KEY] == key and tier == 0:
-            params[_MISSES] += 1.0
+            if pre is None:  # moved between tiers without an access (a demotion)
+                pre = p
         main = state.main[tier]
         if all_window:
             state.window[tier][key] = None

@@ -103,3 +103,36 @@ def test_names_and_validation():
     assert lfu(half_life=math.inf).describe(lfu(half_life=math.inf).init(1))["half_life"] is None
     default = lfu().describe(lfu().init(1))
     assert default["adaptive"] is True  # the default half-life adapts online
+
+
+def test_lfu_judges_batched_misses_like_single_ones():
+    """get_many accesses several missing keys before inserting them: same placement as one by one."""
+
+    def placement(batched: bool) -> list:
+        policy = lfu(half_life=64.0)
+        state = policy.init(1)
+        rng = random.Random(3)
+        for i in range(300):  # fill and churn a 40-entry tier so main and window both matter
+            key = f"k{rng.randrange(120)}"
+            policy.access(state, key, float(i))
+            if key not in state.main[0] and key not in state.window[0]:
+                while len(state.main[0]) + len(state.window[0]) >= 40:
+                    policy.remove(state, 0, policy.victim(state, 0))
+                policy.insert(state, 0, key, float(i))
+        batch = ["k5", "k77", "k118", "k3"]
+        misses = [k for k in batch if k not in state.main[0] and k not in state.window[0]]
+        for k in misses:
+            policy.remove(state, 0, policy.victim(state, 0))
+        if batched:
+            for k in batch:
+                policy.access(state, k, 400.0)
+            for k in misses:
+                policy.insert(state, 0, k, 400.0)
+        else:
+            for k in batch:
+                policy.access(state, k, 400.0)
+                if k in misses:
+                    policy.insert(state, 0, k, 400.0)
+        return [(k, k in state.main[0]) for k in misses]
+
+    assert placement(batched=True) == placement(batched=False)
