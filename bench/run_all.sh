@@ -9,3 +9,4 @@ echo
 python -m bench.cold_read --runs 3 "$@"
 echo
 python -m bench.metadata_memory --runs 1 --blocks 5000 --real-blocks 500 "$@"
+# Longer ones (minutes each): python -m bench.policies; python -m bench.two_tier; python -m bench.h2d
