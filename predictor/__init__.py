@@ -31,7 +31,14 @@ from predictor._baselines import (
 from predictor._checkpoint import FORMAT_VERSION, CheckpointError, load, read_meta, save
 from predictor._features import FEATURES, NUM_FEATURES, FeatureConfig, FeatureState
 from predictor._metrics import Metrics, prediction_metrics, run_predictor
-from predictor._model import MLPPredictor, ScoreMLP, mlp, score_candidates
+from predictor._model import (
+    MLPPredictor,
+    ScoreMLP,
+    choose,
+    mlp,
+    score_candidates,
+    successor_mask,
+)
 from predictor._protocol import Access, Predictor, as_access
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "ScoreMLP",
     "Stride",
     "as_access",
+    "choose",
     "join_index",
     "last_successor",
     "load",
@@ -63,4 +71,5 @@ __all__ = [
     "score_candidates",
     "split_index",
     "stride",
+    "successor_mask",
 ]

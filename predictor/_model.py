@@ -114,18 +114,49 @@ class MLPPredictor:
         keys = self.features.features_into(buf)
         if not keys or k < 1:
             return []
-        scores = np.asarray(self._score(buf))[: len(keys)]
-        order = np.argsort(-scores[:, 1], kind="stable").tolist()
-        chosen = [i for i in order if scores[i, 0] >= self.min_score][:k]
-        if self.hedge and len(chosen) < k:
-            room = min(k - len(chosen), self.hedge)
-            for i in order:
-                if room == 0:
-                    break
-                if (buf[i, _CHAIN] == 1.0 or buf[i, _MARKOV_RANK] > 0) and i not in chosen:
-                    chosen.append(i)
-                    room -= 1
+        n = len(keys)
+        scores = np.asarray(self._score(buf))[:n]
+        chosen = choose(scores, successor_mask(buf[:n]), k, self.min_score, self.hedge)
         return [(keys[i], float(scores[i, 0])) for i in chosen]
+
+
+def successor_mask(features: np.ndarray) -> np.ndarray:
+    """Which candidates (rows of ``features``, ``[..., C, F]``) are successors of the current key.
+
+    A successor is the last successor (``successor_chain == 1``) or a Markov successor
+    (``markov_rank > 0``) of the current key: the candidates ``hedge`` may add.
+    """
+    return (features[..., _CHAIN] == 1.0) | (features[..., _MARKOV_RANK] > 0)
+
+
+def choose(
+    scores: np.ndarray, successor: np.ndarray, k: int, min_score: float, hedge: int
+) -> list[int]:
+    """The candidates `MLPPredictor.predict` proposes, best first; the serving rule, pure.
+
+    Args:
+      scores: ``[n, 2]`` from `score_candidates`: ``p_window`` and the ranking score.
+      successor: ``[n]`` bools from `successor_mask`.
+      k: at most this many.
+      min_score: candidates with ``p_window >= min_score`` are proposed first, by ranking score.
+      hedge: then, while room is left, up to this many of the best-ranked successor candidates.
+
+    Returns:
+      Indices into ``scores``, at most ``k``, distinct.
+    """
+    if k < 1 or len(scores) == 0:
+        return []
+    order = np.argsort(-scores[:, 1], kind="stable").tolist()
+    chosen = [i for i in order if scores[i, 0] >= min_score][:k]
+    if hedge and len(chosen) < k:
+        room = min(k - len(chosen), hedge)
+        for i in order:
+            if room == 0:
+                break
+            if successor[i] and i not in chosen:
+                chosen.append(i)
+                room -= 1
+    return chosen
 
 
 def mlp(

@@ -121,7 +121,7 @@ def test_lfu_judges_batched_misses_like_single_ones():
                 policy.insert(state, 0, key, float(i))
         batch = ["k5", "k77", "k118", "k3"]
         misses = [k for k in batch if k not in state.main[0] and k not in state.window[0]]
-        for k in misses:
+        for _ in misses:
             policy.remove(state, 0, policy.victim(state, 0))
         if batched:
             for k in batch:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import predictor
 from predictor import Access
@@ -193,6 +194,31 @@ def test_mlp_predictor_protocol() -> None:
     assert p.predict(4) == []
     with pytest.raises(ValueError, match="min_score"):
         predictor.mlp(min_score=2.0)
+
+
+def test_choose_is_the_serving_rule() -> None:
+    # columns: p_window, ranking score; rows 1 and 3 are successors of the current key
+    scores = np.array([[0.9, 0.5], [0.3, 0.4], [0.95, 0.9], [0.2, 0.3], [0.1, 0.2]])
+    succ = np.array([False, True, False, True, False])
+    assert predictor.choose(scores, succ, 4, 0.8, 0) == [2, 0]  # confident, by rank
+    assert predictor.choose(scores, succ, 4, 0.8, 1) == [2, 0, 1]  # + best successor
+    assert predictor.choose(scores, succ, 4, 0.8, 3) == [2, 0, 1, 3]  # room for two only
+    assert predictor.choose(scores, succ, 1, 0.8, 3) == [2]  # no room left for the hedge
+    assert predictor.choose(scores, succ, 4, 0.99, 1) == [1]
+    assert predictor.choose(scores, succ, 0, 0.0, 1) == []
+    assert predictor.choose(scores[:0], succ[:0], 4, 0.0, 1) == []
+
+
+def test_mlp_predict_applies_choose_to_its_scores() -> None:
+    p = predictor.mlp(seed=1, min_score=0.5, hedge=2)
+    for a in _mooncake_like(6):
+        p.observe(a)
+        buf = np.zeros((p.config.max_candidates, predictor.NUM_FEATURES), np.float32)
+        keys = p.features.features_into(buf)
+        scores = np.asarray(predictor.score_candidates(*nnx.split(p.model()), buf))[: len(keys)]
+        mask = predictor.successor_mask(buf[: len(keys)])
+        want = [keys[i] for i in predictor.choose(scores, mask, 4, 0.5, 2)]
+        assert [k for k, _ in p.predict(4)] == want
 
 
 # --------------------------------------------------------------------------------------------

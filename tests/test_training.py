@@ -114,9 +114,95 @@ def test_run_writes_checkpoint_metrics_and_plot(tmp_path: Path) -> None:
     assert json.loads((out / "metrics.json").read_text())["eval"] == metrics["eval"]
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     loaded = predictor.load(out / "checkpoint")
-    assert loaded.hedge == cfg.hedge and loaded.min_score == cfg.min_score
+    sel = metrics["selected"]
+    assert sel["source"] == "validation"
+    assert sel["min_score"] in cfg.min_score_grid and sel["hedge"] in cfg.hedge_grid
+    assert (loaded.min_score, loaded.hedge) == (sel["min_score"], sel["hedge"])
+    assert predictor.read_meta(out / "checkpoint")["extra"]["selected"] == sel
+    val = metrics["validation"]
+    assert len(val["grid"]) == len(cfg.min_score_grid) * len(cfg.hedge_grid)
+    assert train.select(val["grid"], val["precision_floor"]) == val["mlp"]
+    (v0, v1), start = val["slices"][str(log)], metrics["logs"][str(log)]["start"]
+    assert 0 < v0 < v1 == start
     again = train.evaluate_checkpoint(out / "checkpoint", [str(log)], timing_calls=10)
     assert again["eval"] == metrics["eval"]  # the saved model predicts what was evaluated
+
+
+def _tail_changed(src: Path, dst: Path, eval_fraction: float) -> Path:
+    """``src`` with new keys in its eval tail (same length, times and sizes)."""
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    start = train.split_point(np.array([r["t"] for r in rows]), eval_fraction)
+    for i, r in enumerate(rows[start:]):
+        r["key"] = f"layers/{i % 3}/experts/{(i * 7) % 11}/w@0,0" if i % 2 else f"other/{i}"
+    dst.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dst
+
+
+def test_selection_never_reads_the_eval_tail(tmp_path: Path) -> None:
+    log = _write_log(tmp_path / "a.jsonl")
+    changed = _tail_changed(log, tmp_path / "b.jsonl", 0.3)
+    runs = []
+    for i, path in enumerate((log, changed)):
+        cfg = train.config(
+            [str(path)], tmp_path / f"out{i}", epochs=2, progress=False, timing_calls=10
+        )
+        runs.append(train.run(cfg))
+    a, b = runs
+    assert a["logs"][str(log)]["start"] == b["logs"][str(changed)]["start"]
+    assert a["eval"] != b["eval"]  # the tail did change what is evaluated
+    assert a["selected"] == b["selected"]
+    for part in ("grid", "baselines", "precision_floor", "mlp"):
+        assert a["validation"][part] == b["validation"][part]
+
+
+def test_validation_labels_stop_at_the_eval_tail() -> None:
+    keys = ["a", "b", "c", "a", "b", "c", "x", "y"]
+    accesses = [predictor.Access(k, float(i), 1, "kv") for i, k in enumerate(keys)]
+    cfg = predictor.FeatureConfig(lookahead=3, max_candidates=8)
+    pos = {"cut": np.array([4]), "full": np.array([4])}
+    ex = train.build_examples(accesses, cfg, pos, ends={"cut": 6}, keep_keys=("cut",))
+    assert ex["cut"].keys is not None and ex["full"].keys is None
+    cands = ex["cut"].keys[0]
+    cut = dict(zip(cands, ex["cut"].y[0, : len(cands), 0].tolist()))
+    full = dict(zip(cands, ex["full"].y[0, : len(cands), 0].tolist()))
+    assert cut["c"] == 1.0  # key[5], before the cut
+    assert all(cut[k] == 0.0 for k in cands if k != "c")
+    assert full == {k: float(k in {"c", "x", "y"}) for k in cands}
+
+
+def test_select_rule() -> None:
+    rows = [
+        {"min_score": m, "hedge": h, "precision": p, "recall": r}
+        for m, h, p, r in [
+            (0.9, 0, 0.99, 0.90),
+            (0.8, 1, 0.97, 0.95),
+            (0.5, 1, 0.96, 0.95),
+            (0.7, 2, 0.97, 0.95),
+            (0.5, 3, 0.90, 0.99),
+        ]
+    ]
+    best = train.select(rows, 0.96)  # most recall above the floor; ties: precision, min_score
+    assert (best["min_score"], best["hedge"]) == (0.8, 1)
+    assert train.select(rows, 0.995)["min_score"] == 0.9  # none feasible: most precise
+    assert train.select(rows, 0.0)["hedge"] == 3
+
+
+def test_flags_override_the_selection(tmp_path: Path) -> None:
+    log = _write_log(tmp_path / "a.jsonl", 20)
+    cfg = train.config(
+        [str(log)],
+        tmp_path / "o",
+        epochs=1,
+        progress=False,
+        timing_calls=10,
+        min_score=0.65,
+        hedge=1,
+    )
+    metrics = train.run(cfg)
+    assert metrics["selected"] == {"min_score": 0.65, "hedge": 1, "source": "flags"}
+    assert [(r["min_score"], r["hedge"]) for r in metrics["validation"]["grid"]] == [(0.65, 1)]
+    loaded = predictor.load(tmp_path / "o" / "checkpoint")
+    assert (loaded.min_score, loaded.hedge) == (0.65, 1)
 
 
 def _cacheflow(*args: str) -> subprocess.CompletedProcess:
@@ -127,12 +213,25 @@ def _cacheflow(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_train_json_and_user_errors(tmp_path: Path) -> None:
     log = _write_log(tmp_path / "a.jsonl", 15)
-    done = _cacheflow("train", str(log), "--out", str(tmp_path / "o"), "--epochs", "1", "--json",
-                      "--no-progress", "--top-k", "2", "--lookahead", "4")
+    done = _cacheflow(
+        "train",
+        str(log),
+        "--out",
+        str(tmp_path / "o"),
+        "--epochs",
+        "1",
+        "--json",
+        "--no-progress",
+        "--top-k",
+        "2",
+        "--lookahead",
+        "4",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert set(out["eval"]["mlp"]) == {"precision", "recall"}
     assert {"train_seconds", "predict_us"} <= set(out)
+    assert set(out["selected"]) == {"min_score", "hedge", "source"}
     missing = _cacheflow("train", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     bad = _cacheflow("train", str(log), "--out", str(tmp_path / "o"), "--eval-fraction", "1.5")
@@ -147,3 +246,9 @@ def test_config_rejects_bad_settings(tmp_path: Path) -> None:
         train.config([], tmp_path)
     with pytest.raises(ValueError, match="--lookahead"):
         train.config(["x"], tmp_path, lookahead=0)
+    with pytest.raises(ValueError, match="val_fraction"):
+        train.config(["x"], tmp_path, val_fraction=1.0)
+    with pytest.raises(ValueError, match="--min-score"):
+        train.config(["x"], tmp_path, min_score_grid=[0.5, 1.5])
+    with pytest.raises(ValueError, match="--hedge"):
+        train.config(["x"], tmp_path, hedge=-1)

@@ -2,7 +2,7 @@
 
 Same options as ``cacheflow train``. Prints a table of the evaluation, or with ``--json``
 ``{"eval": {"mlp": {"precision", "recall"}, "last_successor": ..., "markov": ..., "stride":
-...}, "train_seconds", "predict_us", ...}``.
+...}, "selected": {"min_score", "hedge", "source"}, "train_seconds", "predict_us", ...}``.
 """
 
 from __future__ import annotations
@@ -71,19 +71,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also evaluate the trained model, unchanged, on LOG's tail (repeatable)",
     )
     p.add_argument("--seed", type=int, default=d.seed, metavar="S", help="seed (default 0)")
+    grid_m = ", ".join(map(str, d.min_score_grid))
+    grid_h = ", ".join(map(str, d.hedge_grid))
     p.add_argument(
         "--min-score",
         type=float,
-        default=d.min_score,
+        default=None,
         metavar="P",
-        help=f"lowest probability of a confident proposal (default {d.min_score})",
+        help="lowest probability of a confident proposal (default: chosen from "
+        f"{{{grid_m}}} on the validation slice, the last {d.val_fraction:g} of the training "
+        "part; see docs/predictor.md)",
     )
     p.add_argument(
         "--hedge",
         type=int,
-        default=d.hedge,
+        default=None,
         metavar="N",
-        help=f"successor proposals added below --min-score (default {d.hedge})",
+        help=f"successor proposals added below --min-score (default: chosen from {{{grid_h}}} "
+        "on the validation slice)",
     )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -123,6 +128,11 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         for name in _NAMES:
             row = table[name]
             lines.append(f"  {name:<15} {row['precision']:>9.4f} {row['recall']:>7.4f}")
+    sel = metrics.get("selected")
+    if sel:
+        lines.append(
+            f"selected min_score {sel['min_score']} hedge {sel['hedge']} ({sel['source']})"
+        )
     us = metrics.get("predict_us")
     lines.append(
         f"train_seconds {metrics['train_seconds']:.1f}, predict_us "

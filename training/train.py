@@ -4,26 +4,33 @@ Pipeline (`run`):
 
 1. Read each log with `cacheflow_jax._trace.read_trace` and split it by time: the last
    ``eval_fraction`` of its accesses (moved forward to the next timestamp, so one Mooncake
-   request is never cut in two) is held out.
-2. Walk each log once with a `predictor.FeatureState`; at sampled positions of the head (whose
-   whole lookahead window lies in the head) record the candidates' features and labels (1 if the
-   candidate is accessed within the next ``lookahead`` accesses).
-3. Train a `predictor.ScoreMLP` with masked binary cross-entropy, AdamW with linear warm-up and
-   cosine decay, a fixed seed; the model is split once and a pure step function is jitted.
-4. Evaluate the MLP and the baselines on every log's tail (and on ``eval_logs``, which are never
-   trained on) with `predictor.prediction_metrics`; time the MLP's ``predict``.
-5. Write ``checkpoint/`` (orbax), ``metrics.json`` and ``loss.png`` under ``out``.
+   request is never cut in two) is held out (the *eval tail*); the last ``val_fraction`` of the
+   rest, cut the same way, is the *validation slice*; what precedes it is the *fit part*.
+2. Walk each log once with a `predictor.FeatureState`; at sampled positions of the fit part (whose
+   whole lookahead window lies in the fit part) record the candidates' features and labels (1 if
+   the candidate is accessed within the next ``lookahead`` accesses); at every position of the
+   validation slice record the candidates' features and keys.
+3. Train a `predictor.ScoreMLP` on the fit part with masked binary cross-entropy, AdamW with
+   linear warm-up and cosine decay, a fixed seed; the model is split once and a pure step
+   function is jitted.
+4. Choose the serving settings ``min_score`` and ``hedge`` on the validation slice (`select`):
+   the most recall among the grid settings at least as precise as last_successor there. Nothing
+   here reads the eval tail: the validation windows are cut at its start.
+5. Evaluate the MLP and the baselines on every log's eval tail (and on ``eval_logs``, which are
+   never trained on) with `predictor.prediction_metrics`; time the MLP's ``predict``.
+6. Write ``checkpoint/`` (orbax), ``metrics.json`` and ``loss.png`` under ``out``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,7 @@ from tqdm import tqdm
 
 import predictor
 from cacheflow_jax._trace import Trace, read_trace
-from predictor import FeatureConfig, FeatureState, MLPPredictor, ScoreMLP
+from predictor import FeatureConfig, FeatureState, Metrics, MLPPredictor, ScoreMLP
 
 BASELINE_NAMES = ("last_successor", "markov", "stride")
 
@@ -53,7 +60,9 @@ class TrainConfig:
       lookahead: W, the prediction window (labels and metrics).
       top_k: keys each predictor proposes per position in the evaluation.
       epochs: passes over the training examples.
-      eval_fraction: the held-out tail of each log (by time), in (0, 1).
+      eval_fraction: the held-out tail of each log, by time, in (0, 1).
+      val_fraction: the validation slice, the last part (by time) of what precedes the eval tail,
+        in (0, 1); the model is fit on the rest, the serving settings are chosen on it.
       seed: seeds the example sampling, the initialisation and the batch order.
       learning_rate: AdamW peak learning rate.
       weight_decay: AdamW weight decay.
@@ -63,9 +72,12 @@ class TrainConfig:
       max_candidates: candidates scored per position.
       max_train_positions: training positions sampled per log (all when fewer).
       max_eval_examples: held-out positions sampled per log for the eval loss curve.
-      min_score: the served predictor's lowest probability of a confident proposal.
+      min_score: the served predictor's lowest probability of a confident proposal; None (the
+        default) chooses it from ``min_score_grid`` on the validation slice (`select`).
       hedge: successor candidates the served predictor adds below ``min_score`` (see
-        `predictor.MLPPredictor`).
+        `predictor.MLPPredictor`); None (the default) chooses it from ``hedge_grid``.
+      min_score_grid: the ``min_score`` values tried on the validation slice.
+      hedge_grid: the ``hedge`` values tried on the validation slice.
       timing_calls: ``predict`` calls timed for ``predict_us`` (after 100 warm-up calls).
       progress: show progress bars on stderr.
     """
@@ -78,6 +90,7 @@ class TrainConfig:
     top_k: int = 4
     epochs: int = 8
     eval_fraction: float = 0.3
+    val_fraction: float = 0.15
     seed: int = 0
     learning_rate: float = 3e-3
     weight_decay: float = 1e-4
@@ -87,8 +100,10 @@ class TrainConfig:
     max_candidates: int = 48
     max_train_positions: int = 100_000
     max_eval_examples: int = 8_000
-    min_score: float = 0.8
-    hedge: int = 2
+    min_score: float | None = None
+    hedge: int | None = None
+    min_score_grid: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
+    hedge_grid: tuple[int, ...] = (0, 1, 2, 3)
     timing_calls: int = 2_000
     progress: bool = True
 
@@ -125,7 +140,7 @@ def config(logs: Sequence[str], out: str | Path, **overrides: Any) -> TrainConfi
     cfg = TrainConfig(
         logs=tuple(str(p) for p in logs),
         out=Path(out).expanduser().resolve(),
-        **{k: (tuple(map(str, v)) if k == "eval_logs" else v) for k, v in overrides.items()},
+        **{k: _tupled(k, v) for k, v in overrides.items()},
     )
     for name in (
         "history",
@@ -145,14 +160,28 @@ def config(logs: Sequence[str], out: str | Path, **overrides: Any) -> TrainConfi
         raise ValueError(f"--eval-fraction must be in (0, 1), got {cfg.eval_fraction}")
     if not 0.0 <= cfg.warmup_fraction < 1.0:
         raise ValueError(f"warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
-    if not 0.0 <= cfg.min_score <= 1.0 or cfg.hedge < 0:
-        raise ValueError(
-            f"--min-score {cfg.min_score} must be in [0, 1] and --hedge {cfg.hedge} >= 0"
-        )
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    if not cfg.min_score_grid or not cfg.hedge_grid:
+        raise ValueError("min_score_grid and hedge_grid must not be empty")
+    for m in (*cfg.min_score_grid, *(() if cfg.min_score is None else (cfg.min_score,))):
+        if not 0.0 <= m <= 1.0:
+            raise ValueError(f"--min-score {m} must be in [0, 1]")
+    for h in (*cfg.hedge_grid, *(() if cfg.hedge is None else (cfg.hedge,))):
+        if h < 0:
+            raise ValueError(f"--hedge {h} must be >= 0")
     if not cfg.learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     cfg.feature_config()  # checks the feature settings too
     return cfg
+
+
+def _tupled(name: str, value: Any) -> Any:
+    if name == "eval_logs":
+        return tuple(map(str, value))
+    if name in ("min_score_grid", "hedge_grid"):
+        return tuple(value)
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +227,7 @@ class Examples:
     x: np.ndarray  # float32 [P, C, F]
     y: np.ndarray  # float32 [P, C, 2]: accessed within the window; accessed next
     mask: np.ndarray  # float32 [P, C], 1 for a real candidate
+    keys: list[list[str]] | None = None  # the candidate keys per position, when asked for
 
     def __len__(self) -> int:
         return len(self.x)
@@ -208,6 +238,8 @@ def build_examples(
     feature_config: FeatureConfig,
     positions: dict[str, np.ndarray],
     *,
+    ends: Mapping[str, int] | None = None,
+    keep_keys: Collection[str] = (),
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Examples]:
     """Walks the stream once and records examples at each named set of positions.
@@ -216,6 +248,9 @@ def build_examples(
       accesses: the stream.
       feature_config: the feature settings.
       positions: name -> sorted positions at which to record (after observing that access).
+      ends: name -> a stream position; the labels of those positions see only the accesses
+        before it (the window is cut there). Default: the end of the stream.
+      keep_keys: names whose `Examples` also keep the candidate keys (``Examples.keys``).
       progress: called with the number of accesses walked, now and then.
 
     Returns:
@@ -229,9 +264,11 @@ def build_examples(
             np.zeros((len(p), c, f), np.float32),
             np.zeros((len(p), c, 2), np.float32),
             np.zeros((len(p), c), np.float32),
+            [] if name in keep_keys else None,
         )
         for name, p in positions.items()
     }
+    ends = ends or {}
     wanted: dict[int, list[tuple[str, int]]] = {}
     for name, pos in positions.items():
         for row, i in enumerate(pos.tolist()):
@@ -246,8 +283,11 @@ def build_examples(
         for name, row in wanted.get(i, ()):
             ex = out[name]
             cands = state.features_into(ex.x[row])
-            window = set(keys[i + 1 : i + 1 + w])
-            nxt = keys[i + 1] if i + 1 < len(keys) else None
+            end = min(i + 1 + w, ends.get(name, len(keys)))
+            window = set(keys[i + 1 : end])
+            nxt = keys[i + 1] if i + 1 < end else None
+            if ex.keys is not None:
+                ex.keys.append(cands)
             ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
             ex.mask[row, : len(cands)] = 1.0
     return out
@@ -419,15 +459,171 @@ def pooled(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Precision and recall of each predictor over several logs' evaluations (pooled counts)."""
     out = {}
     for name in ("mlp", *BASELINE_NAMES):
-        made = sum(r[name]["predictions"] for r in results)
-        correct = sum(r[name]["correct"] for r in results)
-        events = sum(r[name]["seen_accesses"] for r in results)
-        hits = sum(r[name]["predicted_accesses"] for r in results)
-        out[name] = {
-            "precision": correct / made if made else 0.0,
-            "recall": hits / events if events else 0.0,
-        }
+        counts = pooled_counts([r[name] for r in results])
+        out[name] = {"precision": counts["precision"], "recall": counts["recall"]}
     return out
+
+
+def pooled_counts(results: Sequence[Metrics]) -> dict[str, Any]:
+    """One predictor's `Metrics` over several logs, counts summed, precision/recall recomputed."""
+    made = sum(r["predictions"] for r in results)
+    correct = sum(r["correct"] for r in results)
+    events = sum(r["seen_accesses"] for r in results)
+    hits = sum(r["predicted_accesses"] for r in results)
+    return {
+        "precision": correct / made if made else 0.0,
+        "recall": hits / events if events else 0.0,
+        "predictions": made,
+        "correct": correct,
+        "seen_accesses": events,
+        "predicted_accesses": hits,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# choosing the serving settings on the validation slice
+
+SELECTION_RULE = (
+    "on the validation slice (the last val_fraction of the accesses before the eval tail, the "
+    "model fit on the accesses before it): among the grid settings (min_score, hedge) whose "
+    "pooled precision is at least last_successor's there, the one with the most recall (ties: "
+    "more precision, then the higher min_score, then the smaller hedge); if none is that "
+    "precise, the most precise setting (ties: more recall, higher min_score, smaller hedge)"
+)
+
+
+@dataclasses.dataclass
+class Validation:
+    """One log's validation slice, scored by the model: everything `select` needs.
+
+    Built only from the accesses before the eval tail (``keys`` ends there), so nothing chosen
+    from it depends on the eval tail.
+    """
+
+    keys: list[str]  # the stream's keys up to the eval tail (exclusive)
+    start: int  # the first validation position; positions start..len(keys)-1 are validated
+    scores: np.ndarray  # float32 [P, C, 2], `predictor.score_candidates` of each candidate
+    successor: np.ndarray  # bool [P, C], `predictor.successor_mask`
+    candidates: list[list[str]]  # the candidate keys at each position
+    baselines: dict[str, Metrics]  # each baseline's metrics on the slice
+
+
+def score_examples(model: ScoreMLP, x: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """`predictor.score_candidates` of ``x`` (``[P, C, F]``) in fixed-size jitted chunks."""
+    graphdef, state = nnx.split(model)
+    score = jax.jit(functools.partial(predictor.score_candidates, graphdef, state))
+    out = np.zeros((*x.shape[:2], 2), np.float32)
+    for lo in range(0, len(x), chunk):
+        part = x[lo : lo + chunk]
+        padded = np.zeros((chunk, *x.shape[1:]), np.float32)
+        padded[: len(part)] = part
+        out[lo : lo + len(part)] = np.asarray(score(padded))[: len(part)]
+    return out
+
+
+def validation_slice(
+    model: ScoreMLP,
+    accesses: Sequence[predictor.Access],
+    examples: Examples,
+    *,
+    start: int,
+    end: int,
+    top_k: int,
+    lookahead: int,
+) -> Validation:
+    """Scores the validation examples and runs the baselines on positions ``start..end-1``.
+
+    Args:
+      model: the trained model.
+      accesses: the stream; only ``accesses[:end]`` is read.
+      examples: the features and candidate keys at every position ``start..end-1``
+        (`build_examples` with ``keep_keys``).
+      start: the first validation position.
+      end: the first position of the eval tail.
+      top_k: keys asked for per position.
+      lookahead: W of the metrics.
+
+    Returns:
+      The `Validation` slice.
+    """
+    head = accesses[:end]
+    keys = [a.key for a in head]
+    baselines = {}
+    for name in BASELINE_NAMES:
+        preds = predictor.run_predictor(predictor.BASELINES[name](), head, start=start, top_k=top_k)
+        baselines[name] = predictor.prediction_metrics(
+            keys, preds, start=start, lookahead=lookahead
+        )
+    return Validation(
+        keys=keys,
+        start=start,
+        scores=score_examples(model, examples.x),
+        successor=predictor.successor_mask(examples.x),
+        candidates=list(examples.keys or []),
+        baselines=baselines,
+    )
+
+
+def validation_grid(
+    slices: Sequence[Validation],
+    *,
+    min_scores: Sequence[float],
+    hedges: Sequence[int],
+    top_k: int,
+    lookahead: int,
+) -> list[dict[str, Any]]:
+    """The MLP's pooled metrics on the validation slices for every ``(min_score, hedge)``.
+
+    Applies `predictor.choose` (the serving rule of `MLPPredictor.predict`) to the stored scores,
+    so the model runs once per position, not once per setting.
+
+    Returns:
+      One row per setting: ``{"min_score", "hedge", "precision", "recall", "predictions",
+      "correct", "seen_accesses", "predicted_accesses"}``.
+    """
+    rows = []
+    for min_score in min_scores:
+        for hedge in hedges:
+            results = []
+            for v in slices:
+                preds = []
+                for p, cands in enumerate(v.candidates):
+                    n = len(cands)
+                    chosen = predictor.choose(
+                        v.scores[p, :n], v.successor[p, :n], top_k, min_score, hedge
+                    )
+                    preds.append([cands[i] for i in chosen])
+                results.append(
+                    predictor.prediction_metrics(v.keys, preds, start=v.start, lookahead=lookahead)
+                )
+            rows.append({"min_score": min_score, "hedge": hedge, **pooled_counts(results)})
+    return rows
+
+
+def select(rows: Sequence[dict[str, Any]], precision_floor: float) -> dict[str, Any]:
+    """The grid row `SELECTION_RULE` picks.
+
+    Args:
+      rows: `validation_grid` rows.
+      precision_floor: last_successor's pooled precision on the validation slices.
+
+    Returns:
+      The chosen row.
+
+    >>> rows = [{"min_score": 0.9, "hedge": 0, "precision": 0.99, "recall": 0.90},
+    ...         {"min_score": 0.5, "hedge": 3, "precision": 0.80, "recall": 0.99},
+    ...         {"min_score": 0.7, "hedge": 1, "precision": 0.95, "recall": 0.95}]
+    >>> select(rows, 0.94)["min_score"], select(rows, 0.999)["min_score"]
+    (0.7, 0.9)
+    """
+    if not rows:
+        raise ValueError("no grid rows to select from")
+    feasible = [r for r in rows if r["precision"] >= precision_floor]
+    if feasible:
+        return max(
+            feasible, key=lambda r: (r["recall"], r["precision"], r["min_score"], -r["hedge"])
+        )
+    return max(rows, key=lambda r: (r["precision"], r["recall"], r["min_score"], -r["hedge"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,8 +671,10 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
     Returns:
       The metrics (also written to ``cfg.out / "metrics.json"``): ``{"eval": {"mlp":
       {"precision", "recall"}, "last_successor": ..., "markov": ..., "stride": ...},
-      "train_seconds", "predict_us", "logs": {path: details}, "eval_logs": {path: details},
-      "train": {...}, "checkpoint", "config"}``.
+      "selected": {"min_score", "hedge", "source": "validation" | "flags"}, "validation":
+      {"rule", "slices", "precision_floor", "baselines", "grid"}, "train_seconds",
+      "predict_us", "logs": {path: details}, "eval_logs": {path: details}, "train": {...},
+      "checkpoint", "config"}``.
 
     Raises:
       FileNotFoundError: a log does not exist.
@@ -485,19 +683,24 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
     t_start = time.perf_counter()
     fcfg = cfg.feature_config()
     rng = np.random.default_rng([cfg.seed, 0])
-    streams, splits, train_sets, held_sets = [], [], [], []
+    streams, splits, val_starts, train_sets, held_sets, val_sets = [], [], [], [], [], []
     for path in cfg.logs:
         accesses = _read(path)
-        start = split_point(np.array([a.t for a in accesses]), cfg.eval_fraction)
+        t = np.array([a.t for a in accesses])
+        start = split_point(t, cfg.eval_fraction)
+        val_start = split_point(t[:start], cfg.val_fraction) if start > 1 else start
         streams.append(accesses)
         splits.append(start)
+        val_starts.append(val_start)
         positions = {
-            "train": _sample(0, start - cfg.lookahead, cfg.max_train_positions, rng),
+            "train": _sample(0, val_start - cfg.lookahead, cfg.max_train_positions, rng),
             "held_out": _sample(start, len(accesses) - cfg.lookahead, cfg.max_eval_examples, rng),
+            "val": np.arange(val_start, start),
         }
         log(
-            f"train: {path}: {len(accesses)} accesses, training on [0, {start}), evaluating "
-            f"[{start}, {len(accesses)}); {len(positions['train'])} training positions"
+            f"train: {path}: {len(accesses)} accesses, fitting on [0, {val_start}), validating "
+            f"on [{val_start}, {start}), evaluating [{start}, {len(accesses)}); "
+            f"{len(positions['train'])} training positions"
         )
         with tqdm(
             total=len(accesses),
@@ -507,13 +710,69 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
             disable=not cfg.progress,
             mininterval=0.5,
         ) as bar:
-            ex = build_examples(accesses, fcfg, positions, progress=bar.update)
+            ex = build_examples(
+                accesses,
+                fcfg,
+                positions,
+                ends={"val": start},
+                keep_keys=("val",),
+                progress=bar.update,
+            )
         train_sets.append(ex["train"])
         held_sets.append(ex["held_out"])
+        val_sets.append(ex["val"])
     train = _concat(train_sets)
     held_out = _concat(held_sets)
     model, history = fit(cfg, train, held_out)
-    mlp = MLPPredictor(model, fcfg, min_score=cfg.min_score, hedge=cfg.hedge)
+
+    t_select = time.perf_counter()
+    slices = [
+        validation_slice(
+            model,
+            accesses,
+            ex,
+            start=val_start,
+            end=start,
+            top_k=cfg.top_k,
+            lookahead=cfg.lookahead,
+        )
+        for accesses, ex, val_start, start in zip(streams, val_sets, val_starts, splits)
+    ]
+    del val_sets
+    grid = validation_grid(
+        slices,
+        min_scores=cfg.min_score_grid if cfg.min_score is None else (cfg.min_score,),
+        hedges=cfg.hedge_grid if cfg.hedge is None else (cfg.hedge,),
+        top_k=cfg.top_k,
+        lookahead=cfg.lookahead,
+    )
+    val_baselines = {
+        name: pooled_counts([v.baselines[name] for v in slices]) for name in BASELINE_NAMES
+    }
+    floor = val_baselines["last_successor"]["precision"]
+    chosen = select(grid, floor)
+    selected = {
+        "min_score": chosen["min_score"],
+        "hedge": chosen["hedge"],
+        "source": "flags" if cfg.min_score is not None and cfg.hedge is not None else "validation",
+    }
+    del slices
+    validation = {
+        "rule": SELECTION_RULE,
+        "slices": {p: [v, s] for p, v, s in zip(cfg.logs, val_starts, splits)},
+        "precision_floor": floor,
+        "baselines": val_baselines,
+        "mlp": chosen,
+        "grid": grid,
+        "seconds": time.perf_counter() - t_select,
+    }
+    log(
+        f"train: selected min_score {selected['min_score']} hedge {selected['hedge']} "
+        f"({selected['source']}): validation precision {chosen['precision']:.4f} recall "
+        f"{chosen['recall']:.4f}; last_successor {floor:.4f} / "
+        f"{val_baselines['last_successor']['recall']:.4f}"
+    )
+    mlp = MLPPredictor(model, fcfg, min_score=selected["min_score"], hedge=selected["hedge"])
     train_seconds = time.perf_counter() - t_start
 
     per_log, results = {}, []
@@ -544,6 +803,8 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
     timed = [r["predict_us"] for r in results if r["predict_us"] is not None]
     metrics = {
         "eval": pooled(results),
+        "selected": selected,
+        "validation": validation,
         "train_seconds": train_seconds,
         "predict_us": statistics.median(timed) if timed else None,
         "cross_eval": {p: pooled([r]) for p, r in cross.items()},
@@ -552,6 +813,7 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
         "train": {
             "examples": len(train),
             "held_out_examples": len(held_out),
+            "validation_positions": sum(s - v for v, s in zip(val_starts, splits)),
             "mean_candidates": float(train.mask.sum(1).mean()),
             "positive_rate": float(
                 (train.y[..., 0] * train.mask).sum() / max(train.mask.sum(), 1.0)
@@ -568,7 +830,15 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
     }
     cfg.out.mkdir(parents=True, exist_ok=True)
     ckpt = predictor.save(
-        cfg.out / "checkpoint", mlp, extra={"eval": metrics["eval"], "logs": list(cfg.logs)}
+        cfg.out / "checkpoint",
+        mlp,
+        extra={
+            "eval": metrics["eval"],
+            "logs": list(cfg.logs),
+            "selected": selected,
+            "selection_rule": SELECTION_RULE,
+            "validation_slices": validation["slices"],
+        },
     )
     metrics["checkpoint"] = str(ckpt)
     plot_losses(history, cfg.out / "loss.png")
