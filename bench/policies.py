@@ -154,9 +154,15 @@ def plot(results: dict, sizes: list[str], out_dir: str) -> list[str]:
         cols = [str(meta["sizes"][s]) for s in sizes]
         xs = [float(s.rstrip("%")) if s.endswith("%") else int(c) for s, c in zip(sizes, cols)]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name in res["miss_ratio"][cols[0]]:
+        palette = plt.get_cmap("tab20").colors
+        for i, name in enumerate(res["miss_ratio"][cols[0]]):
             ys = [res["miss_ratio"][c][name] for c in cols]
-            style = {"linewidth": 2.5} if name in ("lfu", "belady") else {"linestyle": "--"}
+            if name == "lfu":  # ours, the default: the one line to look at
+                style = {"color": "black", "linewidth": 2.8, "zorder": 5}
+            elif name == "belady":
+                style = {"color": "tab:red", "linewidth": 2.0, "linestyle": ":"}
+            else:
+                style = {"color": palette[(2 * i) % 20 + (i // 10) % 2], "linestyle": "--"}
             ax.plot(xs, ys, marker="o", label=name, **style)
         ax.set_xlabel("cache size (% of distinct bytes)" if sizes[0].endswith("%") else "bytes")
         ax.set_ylabel("miss ratio")
