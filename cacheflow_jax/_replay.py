@@ -47,25 +47,29 @@ class _Ready:
 _PRESENT_FUTURE = _Ready(PRESENT)
 
 
+class _Infos(dict):
+    """key -> BlockInfo; a missing key is a KeyError naming the key and the store."""
+
+    def __init__(self, spec: str, items: dict) -> None:
+        super().__init__(items)
+        self.spec = spec
+
+    def __missing__(self, key: str) -> BlockInfo:
+        raise KeyError(f"no block {key!r} in store {self.spec}")
+
+
 class TraceStore:
     """A `Store` that knows each key's size from a trace and holds no data."""
 
     def __init__(self, trace: Trace) -> None:
         self.spec = f"trace:{trace.path}"
         self._sizes = trace.sizes()
-        self._infos: dict[str, BlockInfo] = {}
+        infos = {k: BlockInfo(k, (n,), _U8, n) for k, n in self._sizes.items()}
+        # ``info`` is the dict's own lookup: replay asks for a size on every access.
+        self.info = _Infos(self.spec, infos).__getitem__
 
     def arrays(self) -> Mapping[str, ArrayInfo]:
         return {}
-
-    def info(self, key: str) -> BlockInfo:
-        info = self._infos.get(key)
-        if info is None:
-            n = self._sizes.get(key)
-            if n is None:
-                raise KeyError(f"no block {key!r} in store {self.spec}")
-            info = self._infos[key] = BlockInfo(key, (n,), _U8, n)
-        return info
 
     def keys(self) -> Sequence[str]:
         return list(self._sizes)
