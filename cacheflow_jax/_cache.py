@@ -138,7 +138,11 @@ class TieredCache:
         self.prefetcher = prefetcher
         self._clock = clock
         self._pstate = self.policy.init(len(self._tiers))
-        self._has_ttl = self.policy.describe(self._pstate).get("ttl") is not None
+        ttl = self.policy.describe(self._pstate).get("ttl")
+        self._has_ttl = ttl is not None
+        # TTL checks run at most every ttl/64 seconds: a block leaves within ttl * 65/64.
+        self._expire_every = ttl / 64 if ttl else math.inf
+        self._next_expire = -math.inf
         self._store_info = store.info
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified whenever tier bytes are released
@@ -521,6 +525,9 @@ class TieredCache:
 
     def _expire(self, now: float) -> None:
         """Under the lock: evicts residents past the policy's TTL (dirty ones go to L3)."""
+        if now < self._next_expire:
+            return
+        self._next_expire = now + self._expire_every
         for tier_index, tier in enumerate(self._tiers):
             for key in self.policy.expired(self._pstate, tier_index, now):
                 self.policy.remove(self._pstate, tier_index, key)
