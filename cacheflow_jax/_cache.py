@@ -90,7 +90,8 @@ class TieredCache:
       device_bytes: L1 budget in bytes; at least the largest block of the store.
       host_bytes: L2 budget in bytes; 0 disables L2, otherwise at least the largest block.
       policy: a policy name (``"lfu"``, ``"lru"``, ``"lfu-plain"``) or a `Policy`.
-      prefetcher: optional; it observes every access (hooks only, see `Prefetcher`).
+      prefetcher: reserved for the learned prefetcher (`Prefetcher` protocol). Prefetching is not
+        wired into the cache yet, so passing one raises rather than being silently ignored.
       clock: seconds, monotonic; injected for tests and replay.
       device: the L1 device; the default device if omitted.
       tiers: advanced: replace the L1/L2 tier objects (replay uses metadata-only tiers).
@@ -135,6 +136,11 @@ class TieredCache:
                 )
         self.store = store
         self.policy = get_policy(policy)
+        if prefetcher is not None:
+            raise NotImplementedError(
+                "prefetcher=: prefetching is not wired into TieredCache yet; predictors can be "
+                "trained and evaluated offline with `cacheflow train` (see docs/predictor.md)"
+            )
         self.prefetcher = prefetcher
         self._clock = clock
         self._pstate = self.policy.init(len(self._tiers))
