@@ -322,6 +322,44 @@ def _run_train(argv: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# bench
+
+BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d")
+
+
+def _run_bench(argv: Sequence[str]) -> int:
+    """``cacheflow bench NAME ...`` runs ``python -m bench.NAME ...`` from the repository root.
+
+    The benchmarks live in the checkout's ``bench/`` folder (the library never imports them).
+    """
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: cacheflow bench NAME [options]\n\nRuns a benchmark from the repository's "
+            f"bench/ folder (see bench/README.md). NAME is one of: {', '.join(BENCHMARKS)}.\n"
+            "`cacheflow bench NAME --help` lists its options."
+        )
+        return 0 if argv else USER_ERROR
+    if argv[0] not in BENCHMARKS:
+        print(
+            f"cacheflow bench: error: unknown benchmark {argv[0]!r}; choose one of "
+            f"{', '.join(BENCHMARKS)}",
+            file=sys.stderr,
+        )
+        return USER_ERROR
+    if not (root / "bench" / f"{argv[0]}.py").is_file():
+        print(
+            f"cacheflow bench: error: no bench/ folder next to {root / 'cacheflow_jax'}; the "
+            "benchmarks run from a checkout of the repository (pip install -e .)",
+            file=sys.stderr,
+        )
+        return USER_ERROR
+    return subprocess.call([sys.executable, "-m", f"bench.{argv[0]}", *argv[1:]], cwd=root)
+
+
+# --------------------------------------------------------------------------------------------
 # main
 
 
@@ -430,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
 
     sub.add_parser(
+        "bench",
+        help="run a benchmark from bench/ (see cacheflow bench --help)",
+        add_help=False,
+    )
+    sub.add_parser(
         "train",
         help="train the predictor MLP on access logs (see cacheflow train --help)",
         add_help=False,
@@ -450,6 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         return _run_train(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _run_bench(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

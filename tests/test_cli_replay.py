@@ -74,3 +74,10 @@ def test_replay_malformed_line_names_file_and_line(tmp_path, capsys):
     bad.write_text('{"t": 0, "key": "a", "nbytes": 1, "kind": "kv"}\n{"t": 1, "key": 3}\n')
     assert main(["replay", str(bad), "--format", "log", "--device-bytes", "10"]) == 2
     assert "bad.jsonl:2:" in capsys.readouterr().err
+
+
+def test_bench_lists_and_rejects(capsys):
+    assert main(["bench", "--help"]) == 0
+    assert "metadata_memory" in capsys.readouterr().out
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
