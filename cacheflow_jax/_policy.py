@@ -172,10 +172,10 @@ def lru(*, ttl: float | None = None) -> Policy:
 # --------------------------------------------------------------------------------------------- LFU
 
 # Indices into ``LfuState.params`` (a list, so that the hot path updates floats in place).
-_INV, _TICK, _GHOSTS, _SWEEP, _LOGCAP, _WINDOW = 0, 1, 2, 3, 4, 7  # 5, 6: unused
-_MISSES, _PERIOD_END, _PREV_HIT, _DIR, _LOGH, _ADAPT, _START, _FULL = 8, 9, 10, 11, 12, 13, 14, 15
+_INV, _TICK, _GHOSTS, _SWEEP, _LOGCAP, _WINDOW = 0, 1, 2, 3, 4, 5
+_MISSES, _PERIOD_END, _PREV_HIT, _DIR, _LOGH, _ADAPT, _START, _FULL = 6, 7, 8, 9, 10, 11, 12, 13
 _MAX_PENDING = 4096  # misses between an access and its insert (get_many batches) kept at most
-_LOWP = 16  # main's lowest priority when last looked up (a cheap threshold for window hits)
+_LOWP = 14  # main's lowest priority when last looked up (a cheap threshold for window hits)
 _NEG = -math.inf
 _MIN_LOG_H, _MAX_LOG_H = 8.0, 20.0  # the adaptive half-life stays within 256 .. 1M accesses
 
@@ -249,7 +249,7 @@ def lfu(
             {},
             OrderedDict(),
             [
-                1.0 / half_life, 0.0, int(ghost_entries), _NEG, log2(count_cap), _NEG, None,
+                1.0 / half_life, 0.0, int(ghost_entries), _NEG, log2(count_cap),
                 float(window), 0.0, 8192.0, -1.0, 1.0, log2(half_life), adaptive, 0.0,
                 [False] * num_tiers, _NEG,
             ],
@@ -310,7 +310,7 @@ def lfu(
             if len(pending) >= _MAX_PENDING:
                 pending.clear()  # keys accessed but never inserted (bypassed)
             pending[key] = _NEG if old is None else old
-        if params[13] and tick >= params[9]:  # _ADAPT, _PERIOD_END
+        if params[11] and tick >= params[7]:  # _ADAPT, _PERIOD_END
             _adapt(state)
 
     def _window_hit(state: LfuState, tier: int, key: Key, old: float) -> None:
