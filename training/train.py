@@ -775,9 +775,8 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
     mlp = MLPPredictor(model, fcfg, min_score=selected["min_score"], hedge=selected["hedge"])
     train_seconds = time.perf_counter() - t_start
 
-    per_log, results = {}, []
-    for path, accesses, start in zip(cfg.logs, streams, splits):
-        r = evaluate(
+    def evaluate_tail(accesses: list, start: int) -> dict:
+        return evaluate(
             mlp,
             accesses,
             start=start,
@@ -785,20 +784,17 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
             lookahead=cfg.lookahead,
             timing_calls=cfg.timing_calls,
         )
+
+    per_log, results = {}, []
+    for path, accesses, start in zip(cfg.logs, streams, splits):
+        r = evaluate_tail(accesses, start)
         results.append(r)
         per_log[path] = {"accesses": len(accesses), "start": start, **r}
     cross = {}
     for path in cfg.eval_logs:
         accesses = _read(path)
         start = split_point(np.array([a.t for a in accesses]), cfg.eval_fraction)
-        r = evaluate(
-            mlp,
-            accesses,
-            start=start,
-            top_k=cfg.top_k,
-            lookahead=cfg.lookahead,
-            timing_calls=cfg.timing_calls,
-        )
+        r = evaluate_tail(accesses, start)
         cross[path] = {"accesses": len(accesses), "start": start, **r}
     timed = [r["predict_us"] for r in results if r["predict_us"] is not None]
     metrics = {
