@@ -260,7 +260,11 @@ class FeatureState:
         x, seen_chain = c, {c}
         for d in range(1, cfg.chain_depth + 1):
             x = succ.get(x)
-            if x is None or x in seen_chain:
+            if x is None:
+                break
+            if x in seen_chain:
+                if d == 1:  # a repeated key: its last successor is itself, still proposed
+                    add(x, _F["successor_chain"], 1.0)
                 break
             seen_chain.add(x)
             add(x, _F["successor_chain"], 1.0 / d)

@@ -65,12 +65,14 @@ class MLPPredictor:
     """A `Predictor` that ranks the `FeatureState` candidates with a trained `ScoreMLP`.
 
     ``predict(k)`` proposes, by ranking score, the candidates whose probability of being accessed
-    within the window is at least ``min_score`` (confident proposals); if that leaves room, it
-    adds up to ``hedge`` of the best-ranked *successor* candidates (the last successor or a Markov
-    successor of the current key) whatever their probability. The hedge is what the
-    successor baselines always do; at a fork of the access stream (a key with many successors)
-    no candidate is confident, and the hedge keeps the recall of the baselines at a small cost in
-    precision.
+    within the window is at least ``min_score`` (confident proposals), keeping one of the ``k``
+    places for the current key's last successor (what `last_successor` proposes) whatever its
+    probability; if that leaves room, it adds up to ``hedge`` of the best-ranked *successor*
+    candidates (the last successor or a Markov successor of the current key) whatever their
+    probability. The hedge is what the successor baselines always do; at a fork of the access
+    stream (a key with many successors) no candidate is confident, and the hedge keeps the
+    recall of the baselines at a small cost in precision. Keeping the last successor means the
+    proposals always contain `last_successor`'s, so the recall is never below its recall.
 
     Args:
       model: the trained model (split once here; later changes to it are not seen).
@@ -116,7 +118,14 @@ class MLPPredictor:
             return []
         n = len(keys)
         scores = np.asarray(self._score(buf))[:n]
-        chosen = choose(scores, successor_mask(buf[:n]), k, self.min_score, self.hedge)
+        chosen = choose(
+            scores,
+            successor_mask(buf[:n]),
+            k,
+            self.min_score,
+            self.hedge,
+            keep=int(last_successor_index(buf[:n])),
+        )
         return [(keys[i], float(scores[i, 0])) for i in chosen]
 
 
@@ -129,8 +138,25 @@ def successor_mask(features: np.ndarray) -> np.ndarray:
     return (features[..., _CHAIN] == 1.0) | (features[..., _MARKOV_RANK] > 0)
 
 
+def last_successor_index(features: np.ndarray) -> np.ndarray:
+    """The row of the current key's last successor among candidates ``features`` (``[..., C, F]``).
+
+    Returns:
+      ``[...]`` ints: the candidate with ``successor_chain == 1``, or -1 where there is none (the
+      current key was never followed by anything).
+    """
+    last = features[..., _CHAIN] == 1.0
+    return np.where(last.any(-1), last.argmax(-1), -1)
+
+
 def choose(
-    scores: np.ndarray, successor: np.ndarray, k: int, min_score: float, hedge: int
+    scores: np.ndarray,
+    successor: np.ndarray,
+    k: int,
+    min_score: float,
+    hedge: int,
+    *,
+    keep: int = -1,
 ) -> list[int]:
     """The candidates `MLPPredictor.predict` proposes, best first; the serving rule, pure.
 
@@ -140,14 +166,23 @@ def choose(
       k: at most this many.
       min_score: candidates with ``p_window >= min_score`` are proposed first, by ranking score.
       hedge: then, while room is left, up to this many of the best-ranked successor candidates.
+      keep: a candidate proposed whatever its score (`last_successor_index`: the last successor,
+        so the proposals contain `last_successor`'s); it takes the last of the ``k`` places if
+        the confident candidates would fill them. -1: none.
 
     Returns:
       Indices into ``scores``, at most ``k``, distinct.
+
+    >>> scores = np.array([[0.95, 0.9], [0.3, 0.2], [0.9, 0.8]])
+    >>> choose(scores, np.array([False, True, False]), 2, 0.8, 0, keep=1)
+    [0, 1]
     """
     if k < 1 or len(scores) == 0:
         return []
     order = np.argsort(-scores[:, 1], kind="stable").tolist()
     chosen = [i for i in order if scores[i, 0] >= min_score][:k]
+    if 0 <= keep < len(scores) and keep not in chosen:
+        chosen = chosen[: k - 1] + [keep]
     if hedge and len(chosen) < k:
         room = min(k - len(chosen), hedge)
         for i in order:

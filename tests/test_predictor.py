@@ -209,6 +209,37 @@ def test_choose_is_the_serving_rule() -> None:
     assert predictor.choose(scores[:0], succ[:0], 4, 0.0, 1) == []
 
 
+def test_choose_keeps_the_last_successor() -> None:
+    scores = np.array([[0.9, 0.5], [0.3, 0.4], [0.95, 0.9], [0.2, 0.3], [0.1, 0.2]])
+    succ = np.array([False, True, False, True, False])
+    assert predictor.choose(scores, succ, 4, 0.8, 0, keep=3) == [2, 0, 3]  # below min_score
+    assert predictor.choose(scores, succ, 2, 0.8, 0, keep=3) == [2, 3]  # takes the last place
+    assert predictor.choose(scores, succ, 2, 0.8, 0, keep=0) == [2, 0]  # already confident
+    assert predictor.choose(scores, succ, 1, 0.8, 0, keep=3) == [3]
+    assert predictor.choose(scores, succ, 4, 0.8, 1, keep=3) == [2, 0, 3, 1]  # then the hedge
+    assert predictor.choose(scores, succ, 4, 0.8, 0, keep=-1) == [2, 0]
+    x = np.zeros((2, 3, predictor.NUM_FEATURES), np.float32)
+    x[0, 1, predictor.FEATURES.index("successor_chain")] = 1.0
+    x[1, 0, predictor.FEATURES.index("successor_chain")] = 0.5  # depth 2 is not the successor
+    assert predictor.last_successor_index(x).tolist() == [1, -1]
+
+
+def test_mlp_proposals_contain_last_successors() -> None:
+    # Whatever the model's scores, the MLP proposes what last_successor proposes, so its recall
+    # can never be below last_successor's.
+    repeats = [Access(k, 100.0 + i, 1, KV) for i, k in enumerate("aabaacbba")]
+    accesses = _mooncake_like(40, seed=2) + repeats
+    keys = [a.key for a in accesses]
+    p = predictor.mlp(seed=4, min_score=1.0, hedge=0)
+    mlp_preds = predictor.run_predictor(p, accesses, start=0, top_k=4)
+    ls_preds = predictor.run_predictor(predictor.last_successor(), accesses, start=0, top_k=4)
+    assert all(set(b) <= set(a) for a, b in zip(mlp_preds, ls_preds))
+    assert any(ls_preds)
+    m = predictor.prediction_metrics(keys, mlp_preds, start=0, lookahead=4)
+    ls = predictor.prediction_metrics(keys, ls_preds, start=0, lookahead=4)
+    assert m["predicted_accesses"] >= ls["predicted_accesses"]
+
+
 def test_mlp_predict_applies_choose_to_its_scores() -> None:
     p = predictor.mlp(seed=1, min_score=0.5, hedge=2)
     for a in _mooncake_like(6):
@@ -217,7 +248,8 @@ def test_mlp_predict_applies_choose_to_its_scores() -> None:
         keys = p.features.features_into(buf)
         scores = np.asarray(predictor.score_candidates(*nnx.split(p.model()), buf))[: len(keys)]
         mask = predictor.successor_mask(buf[: len(keys)])
-        want = [keys[i] for i in predictor.choose(scores, mask, 4, 0.5, 2)]
+        keep = int(predictor.last_successor_index(buf[: len(keys)]))
+        want = [keys[i] for i in predictor.choose(scores, mask, 4, 0.5, 2, keep=keep)]
         assert [k for k, _ in p.predict(4)] == want
 
 

@@ -102,7 +102,7 @@ class TrainConfig:
     max_eval_examples: int = 8_000
     min_score: float | None = None
     hedge: int | None = None
-    min_score_grid: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
+    min_score_grid: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
     hedge_grid: tuple[int, ...] = (0, 1, 2, 3)
     timing_calls: int = 2_000
     progress: bool = True
@@ -504,6 +504,7 @@ class Validation:
     start: int  # the first validation position; positions start..len(keys)-1 are validated
     scores: np.ndarray  # float32 [P, C, 2], `predictor.score_candidates` of each candidate
     successor: np.ndarray  # bool [P, C], `predictor.successor_mask`
+    keep: np.ndarray  # int [P], `predictor.last_successor_index` (-1: none)
     candidates: list[list[str]]  # the candidate keys at each position
     baselines: dict[str, Metrics]  # each baseline's metrics on the slice
 
@@ -559,6 +560,7 @@ def validation_slice(
         start=start,
         scores=score_examples(model, examples.x),
         successor=predictor.successor_mask(examples.x),
+        keep=predictor.last_successor_index(examples.x),
         candidates=list(examples.keys or []),
         baselines=baselines,
     )
@@ -590,7 +592,12 @@ def validation_grid(
                 for p, cands in enumerate(v.candidates):
                     n = len(cands)
                     chosen = predictor.choose(
-                        v.scores[p, :n], v.successor[p, :n], top_k, min_score, hedge
+                        v.scores[p, :n],
+                        v.successor[p, :n],
+                        top_k,
+                        min_score,
+                        hedge,
+                        keep=int(v.keep[p]),
                     )
                     preds.append([cands[i] for i in chosen])
                 results.append(
