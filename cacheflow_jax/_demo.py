@@ -17,6 +17,15 @@ What it does, in order:
      one ``get_many`` per layer;
    * ``all-resident``: every weight is put on the device once up front (the limit).
 
+4. With ``predictor=`` (``cacheflow demo --predictor DIR``), after the three passes, replays the
+   cacheflow pass's accesses (the same keys in the same order, warm-up steps included) through the
+   loaded predictor: it ``observe``\\ s each access and calls ``predict(k)`` once per step, after
+   the step's last access, with ``k`` = the blocks of one layer step (what a prefetcher would
+   fetch ahead for the next layer). `PREDICT_WARMUP` calls before the replay and the calls of
+   the warm-up steps are not timed; the median of the measured steps' calls (``predict_us``) is
+   compared with the cacheflow pass's median step time from the same run. The replay runs
+   outside the timed passes, so it does not change their numbers.
+
 Each step runs the same jitted layer function on the same inputs in every pass, so the passes'
 outputs must agree bitwise; the demo checks that. Latencies are per step (all layers, up to the
 output being ready). Times on a CPU are for comparing the passes of one run, not absolute claims.
@@ -32,7 +41,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -42,9 +51,13 @@ from cacheflow_jax._serving import serving
 from cacheflow_jax._store import open_store
 from cacheflow_jax.orbax import LazyArray, restore_lazy
 
+if TYPE_CHECKING:  # the library imports `predictor` only when the demo is given one
+    import predictor
+
 MiB = 2**20
 DEMO_FORMAT = 1
 COLUMNS = ("name", "l1_hit_ratio", "host_hit_ratio", "p50_ms", "p95_ms", "p95_ratio_to_baseline")
+PREDICT_WARMUP = 5  # untimed predict calls before the replay: jit compilation, first features
 
 
 class DemoError(ValueError):
@@ -70,6 +83,8 @@ class DemoSettings:
       device_bytes: L1 budget (default: a sixth of the weights).
       host_bytes: L2 budget (default: a third of the weights).
       access_log: where to write the cacheflow pass's access log, if anywhere.
+      predictor: a predictor checkpoint (``cacheflow train ... --out OUT`` writes
+        ``OUT/checkpoint``) to time against the cacheflow pass's steps, if any.
       progress: show a progress bar on stderr.
     """
 
@@ -87,6 +102,7 @@ class DemoSettings:
     device_bytes: int | None = None
     host_bytes: int | None = None
     access_log: Path | None = None
+    predictor: Path | None = None
     progress: bool = True
 
     def model_config(self) -> MoEConfig:
@@ -282,17 +298,33 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
       log: receives progress lines for people (the CLI sends them to stderr).
 
     Returns:
-      ``{"rows": [...], "setup": {...}}``: one row per pass with at least the keys of `COLUMNS`.
+      ``{"rows": [...], "setup": {...}}``: one row per pass with at least the keys of `COLUMNS`;
+      with ``settings.predictor`` the ``cacheflow`` row also has ``"predictor"`` (see
+      `time_predictor`).
 
     Raises:
       DemoError: invalid settings.
       cacheflow_jax.BudgetError: a budget is smaller than one block.
+      predictor.CheckpointError: ``settings.predictor`` is missing or not a valid checkpoint
+        (checked before any pass runs).
     """
     from tqdm import tqdm
 
     from cacheflow_jax._cache import TieredCache
 
     config = settings.model_config()
+    mlp = None
+    if settings.predictor is not None:
+        from predictor import CheckpointError
+        from predictor import load as load_predictor
+
+        try:
+            mlp = load_predictor(settings.predictor)
+        except CheckpointError as e:
+            inner = Path(settings.predictor) / "checkpoint"
+            if not (inner / "meta").is_dir():
+                raise
+            raise CheckpointError(f"{e} (did you mean --predictor {inner}?)") from e
     device_bytes = (
         config.weight_bytes // 6 if settings.device_bytes is None else settings.device_bytes
     )
@@ -398,6 +430,18 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
     base = rows[0]["p95_ms"]
     for row in rows:
         row["p95_ratio_to_baseline"] = row["p95_ms"] / base if base else 0.0
+    if mlp is not None:
+        log(f"demo: replaying the cacheflow pass's accesses through {settings.predictor}")
+        accesses = _accesses(plan, cache, step_seconds=rows[1]["p50_ms"] / 1e3)
+        timing = time_predictor(mlp, accesses, warmup=settings.warmup, k=len(plan[0][0].keys))
+        step_us = rows[1]["p50_ms"] * 1e3
+        rows[1]["predictor"] = {
+            "checkpoint": str(Path(settings.predictor).expanduser().resolve()),
+            **timing,
+            "step_p50_ms": rows[1]["p50_ms"],
+            "predict_share_of_step": timing["predict_us"] / step_us if step_us else 0.0,
+            "observe_share_of_step": timing["observe_us_per_step"] / step_us if step_us else 0.0,
+        }
     ref = np.asarray(outputs["baseline"])
     same = all(np.array_equal(np.asarray(v), ref) for v in outputs.values())
     if not same:
@@ -417,6 +461,103 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
         "backend": jax.default_backend(),
     }
     return {"rows": rows, "setup": setup}
+
+
+def _accesses(
+    plan: list[list[_LayerStep]], cache: Any, *, step_seconds: float
+) -> list[list[predictor.Access]]:
+    """The accesses of a pass over ``plan``, per step, as `predictor.Access` records.
+
+    A pass makes one ``get_many`` per layer, so a layer's blocks share a time; the times advance
+    by ``step_seconds`` (the pass's median step time) per step, spread evenly over the layers.
+    """
+    from predictor import Access
+
+    info: dict[str, tuple[int, str]] = {}
+    out = []
+    for i, layers in enumerate(plan):
+        step = []
+        for j, ls in enumerate(layers):
+            t = (i + j / len(layers)) * step_seconds
+            for key in ls.keys:
+                if key not in info:
+                    info[key] = (cache.info(key).nbytes, cache.kind(key))
+                step.append(Access(key, t, *info[key], f"r{i}"))
+        out.append(step)
+    return out
+
+
+def time_predictor(
+    mlp: predictor.Predictor,
+    accesses: Sequence[Sequence[predictor.Access]],
+    *,
+    warmup: int,
+    k: int,
+) -> dict[str, Any]:
+    """Times ``mlp`` on a stream: per step, ``observe`` each access, then one ``predict(k)``.
+
+    The predictor is reset first. `PREDICT_WARMUP` calls after observing the first step, then a
+    reset, warm it up (jit compilation); the calls of the first ``warmup`` steps are not timed
+    either, so the timed calls are those of the steps whose latencies the demo measures.
+
+    Args:
+      mlp: the predictor.
+      accesses: the accesses of each step, in order.
+      warmup: leading steps whose calls are not timed.
+      k: keys asked for per ``predict`` call.
+
+    Returns:
+      ``{"predict_us", "predict_p95_us": median and p95 microseconds of one predict call,
+      "observe_us_per_step": median microseconds to observe one step's accesses, "calls": timed
+      calls, "k", "accesses_per_step", "warmup_calls": untimed calls}``.
+
+    Raises:
+      DemoError: no step is left to time after ``warmup``.
+    """
+    if len(accesses) <= warmup:
+        raise DemoError(
+            f"no step to time the predictor on: {len(accesses)} steps, {warmup} warm-up"
+        )
+    mlp.reset()
+    for access in accesses[0]:
+        mlp.observe(access)
+    for _ in range(PREDICT_WARMUP):
+        mlp.predict(k)
+    mlp.reset()
+    clock = time.perf_counter_ns
+    predict_ns, observe_ns = [], []
+    for i, step in enumerate(accesses):
+        t0 = clock()
+        for access in step:
+            mlp.observe(access)
+        t1 = clock()
+        mlp.predict(k)
+        t2 = clock()
+        if i >= warmup:
+            observe_ns.append(t1 - t0)
+            predict_ns.append(t2 - t1)
+    predict_us = np.asarray(predict_ns) / 1e3
+    return {
+        "predict_us": float(np.median(predict_us)),
+        "predict_p95_us": float(np.percentile(predict_us, 95)),
+        "observe_us_per_step": float(np.median(np.asarray(observe_ns) / 1e3)),
+        "calls": len(predict_ns),
+        "k": k,
+        "accesses_per_step": len(accesses[0]),
+        "warmup_calls": PREDICT_WARMUP + warmup,
+    }
+
+
+def format_predictor(row: dict) -> str:
+    """One line comparing the predictor's cost with the ``row``'s median step time."""
+    p = row["predictor"]
+    return (
+        f"predictor: predict({p['k']}) median {p['predict_us']:.1f} us (p95 "
+        f"{p['predict_p95_us']:.1f} us, {p['calls']} calls) = {100 * p['predict_share_of_step']:.2f}% "
+        f"of the {row['name']} step p50 {p['step_p50_ms']:.2f} ms; observing a step's "
+        f"{p['accesses_per_step']} accesses {p['observe_us_per_step']:.1f} us "
+        f"({100 * p['observe_share_of_step']:.2f}%)"
+    )
 
 
 def _zero_stats() -> dict:

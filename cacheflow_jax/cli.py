@@ -187,7 +187,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from cacheflow_jax._demo import DemoSettings, format_table, run_demo
+    from cacheflow_jax._demo import DemoSettings, format_predictor, format_table, run_demo
 
     settings = DemoSettings(
         workdir=Path(args.workdir).expanduser().resolve() if args.workdir else None,
@@ -202,6 +202,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         device_bytes=args.device_bytes,
         host_bytes=args.host_bytes,
         access_log=Path(args.access_log) if args.access_log else None,
+        predictor=Path(args.predictor).expanduser().resolve() if args.predictor else None,
         progress=not args.no_progress,
     )
     result = run_demo(settings, log=lambda line: print(line, file=sys.stderr))
@@ -209,6 +210,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(json.dumps(result["rows"], indent=1))
     else:
         print(format_table(result["rows"]))
+        for row in result["rows"]:
+            if "predictor" in row:
+                print(format_predictor(row))
     if not result["setup"]["outputs_match"]:
         print("cacheflow demo: error: the passes' outputs differ", file=sys.stderr)
         return 1
@@ -415,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--access-log",
         metavar="FILE",
         help="write the cacheflow pass's access log (v1, JSON Lines) to FILE",
+    )
+    p.add_argument(
+        "--predictor",
+        metavar="DIR",
+        help="a predictor checkpoint (cacheflow train ... --out OUT writes OUT/checkpoint): after "
+        "the passes, replay the cacheflow pass's accesses through it and report the median "
+        "predict() time against the cacheflow pass's median step time",
     )
     p.add_argument(
         "--device-bytes",
