@@ -8,7 +8,11 @@ mixture-of-experts model, 1 MiB expert blocks); the log is recorded once into
 
 For every trace it replays our policies through `cacheflow_jax.replay` (the live cache's objects)
 and the `libcachesim` package's LRU, ARC, LIRS, S3-FIFO, SIEVE, W-TinyLFU and LFU on the same
-accesses with the same byte budgets (object size = the access's ``nbytes``), in one run. It writes
+accesses with the same byte budgets, in one run. Every policy sees each key with one size, the
+one replay gives it (its largest ``nbytes`` in the trace, `Trace.sizes`): a cached block has one
+size. (libCacheSim on its own keeps the size of the access that inserted an object, so where a
+trace's sizes vary per key, as in cloudPhysicsIO, its numbers differ; with the same sizes its LRU
+equals ours exactly.) It writes
 ``policies.md`` (a table per trace), ``policies.json`` and ``mrc_<trace>.png`` under ``--out``.
 The "gap closed" column is ``(LRU - ours) / (LRU - Belady)``.
 """
@@ -40,12 +44,13 @@ def peer_miss_ratio(trace, name: str, size: int) -> float:
 
     cache = getattr(lcs, name)(cache_size=size)
     ids: dict[str, int] = {}
+    sizes = trace.sizes()
     misses = 0
     get = cache.get
     request = lcs.Request
-    for i, (key, n) in enumerate(zip(trace.keys, trace.nbytes.tolist())):
+    for i, key in enumerate(trace.keys):
         obj = ids.setdefault(key, len(ids))
-        if not get(request(obj_id=obj, obj_size=n, clock_time=i)):
+        if not get(request(obj_id=obj, obj_size=sizes[key], clock_time=i)):
             misses += 1
     return misses / len(trace.keys)
 

@@ -261,10 +261,10 @@ class TieredCache:
             self._account(key, "miss", now, nbytes)
         if self._room_sync(DEVICE, nbytes, key, now):
             self._l1[key] = PRESENT
-            policy.insert(state, DEVICE, key, now)
+            policy.insert(state, DEVICE, key, now, nbytes)
         elif host is not None and self._room_sync(HOST, nbytes, key, now):
             host.entries[key] = PRESENT
-            policy.insert(state, HOST, key, now)
+            policy.insert(state, HOST, key, now, nbytes)
 
     def _room_sync(self, tier_index: int, nbytes: int, key: str, now: float) -> bool:
         """`_make_room` and `_evict_one` for `access_sync`: the same decisions, no transfers."""
@@ -282,7 +282,7 @@ class TieredCache:
             demote = tier_index == DEVICE and len(self._tiers) > HOST and self._tiers[HOST].budget > 0
             if demote and self._room_sync(HOST, size, victim, now):
                 self._tiers[HOST].entries[victim] = PRESENT
-                policy.insert(state, HOST, victim, now)
+                policy.insert(state, HOST, victim, now, size)
             tier.used -= size
         tier.used += nbytes
         return True
@@ -366,10 +366,10 @@ class TieredCache:
             with self._lock:
                 if in_l1:
                     self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
-                    self.policy.insert(self._pstate, DEVICE, key, self._clock())
+                    self.policy.insert(self._pstate, DEVICE, key, self._clock(), info.nbytes)
                 elif host_value is not None:
                     self._tiers[HOST].put_reserved(key, host_value, info.nbytes)
-                    self.policy.insert(self._pstate, HOST, key, self._clock())
+                    self.policy.insert(self._pstate, HOST, key, self._clock(), info.nbytes)
                 if in_l1 or host_value is not None:
                     self._unwritten.pop(key, None)
                 elif self._is_dirty(key) and key not in self._unwritten:
@@ -445,7 +445,7 @@ class TieredCache:
             with self._lock:
                 if host_value is not None:
                     self._tiers[HOST].put_reserved(key, host_value, nbytes)
-                    self.policy.insert(self._pstate, HOST, key, self._clock())
+                    self.policy.insert(self._pstate, HOST, key, self._clock(), nbytes)
                 elif self._is_dirty(key):
                     self._unwritten[key] = value  # written back later; readers are served from it
                 self._tiers[tier_index].release(nbytes)
@@ -598,7 +598,7 @@ class TieredCache:
                 raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
             with self._lock:
                 self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
-                self.policy.insert(self._pstate, DEVICE, key, self._clock())
+                self.policy.insert(self._pstate, DEVICE, key, self._clock(), info.nbytes)
                 del self._inflight[key]
                 self._notify_room()
         except BaseException as e:

@@ -162,7 +162,7 @@ def belady(trace: Trace, *, size_aware: bool | None = None) -> Policy:
                 heapq.heappush(state.heaps[tier], (-state.next_use[key], key))
                 break
 
-    def insert(state: BeladyState, tier: int, key: str, now: float) -> None:
+    def insert(state: BeladyState, tier: int, key: str, now: float, nbytes: int = 1) -> None:
         state.resident[tier][key] = None
         heapq.heappush(state.heaps[tier], (-state.next_use.get(key, math.inf), key))
 

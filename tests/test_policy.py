@@ -136,3 +136,70 @@ def test_lfu_judges_batched_misses_like_single_ones():
         return [(k, k in state.main[0]) for k in misses]
 
     assert placement(batched=True) == placement(batched=False)
+
+
+def _drive_sized(policy, keys, sizes, budget):
+    """Single tier with byte sizes, the call order of `TieredCache._room_sync`."""
+    state = policy.init(1)
+    resident: dict = {}
+    used = 0
+    for i, key in enumerate(keys):
+        t = float(i)
+        policy.access(state, key, t)
+        if key in resident:
+            continue
+        n = sizes[key]
+        while used + n > budget:
+            v = policy.victim(state, 0)
+            policy.remove(state, 0, v)
+            used -= resident.pop(v)
+        policy.insert(state, 0, key, t, n)
+        resident[key] = n
+        used += n
+        window_bytes, main_bytes = state.nbytes[0]
+        assert window_bytes + main_bytes == used  # the policy's byte accounting is exact
+        assert window_bytes == sum(resident[k] for k in state.window[0])
+    return state, resident
+
+
+def test_big_one_hit_newcomers_churn_the_window_not_the_hot_set():
+    # 40 small hot keys fill main; then one-hit keys, small and 16x bigger, interleaved with the
+    # hot ones: the newcomers displace each other in the window (sized in bytes), never a hot key.
+    hot = [f"h{i}" for i in range(40)]
+    sizes = dict.fromkeys(hot, 1)
+    keys = hot * 5
+    for i in range(300):
+        sizes[f"s{i}"], sizes[f"b{i}"] = 1, 16
+        keys += [f"s{i}", hot[i % 40], f"b{i}", hot[(i + 20) % 40]]
+    state, resident = _drive_sized(lfu(half_life=1e6), keys, sizes, 64)
+    assert set(hot) <= set(resident)
+
+
+def test_window_adapts_to_ghost_hits_and_stays_in_bounds():
+    policy = lfu(half_life=4096.0, window=0.01)
+    # A loop of 24 keys through a 20-entry cache: the keys that cycle through the window leave
+    # it and come back a few evictions later, so the window grows (ARC's B1 hits).
+    keys = [f"k{i % 24}" for i in range(3000)]
+    state, resident = _drive_sized(policy, keys, {f"k{i}": 1 for i in range(24)}, 20)
+    d = policy.describe(state)
+    assert d["window"] == 0.01 and 0.01 < d["window_now"] <= 0.9
+    grown = d["window_now"]
+    # A protected key evicted and missed right away (ARC's B2 hit) shrinks it by one entry's worth.
+    protected = next(iter(state.main[0]))
+    policy.remove(state, 0, protected)
+    del resident[protected]
+    policy.access(state, protected, 1.0)
+    assert policy.describe(state)["window_now"] == pytest.approx(grown - 1 / (len(resident) + 1))
+
+
+def test_ghost_history_is_bounded_in_bytes():
+    rng = random.Random(1)
+    sizes = {f"k{i}": rng.choice([1, 4, 64]) for i in range(5000)}
+    keys = [f"k{int(rng.paretovariate(0.6)) % 5000}" for _ in range(20000)]
+    policy = lfu(history=1.0)
+    state, resident = _drive_sized(policy, keys, sizes, 2000)
+    ghost_bytes = sum(sizes[k] for k in state.ghosts if k not in resident)
+    assert len(state.ghosts) <= 64 or ghost_bytes <= sum(resident.values()) + 64
+    assert set(state.stamps) <= set(state.ghosts)
+    with pytest.raises(ValueError, match="history"):
+        lfu(history=0)

@@ -46,8 +46,10 @@ def test_log_jsonl_and_csv_read_the_same(tmp_path):
     jl = tmp_path / "a.jsonl"
     jl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cs = tmp_path / "a.csv"
-    cs.write_text("t,key,nbytes,kind,req\n0.5,\"params/w@0,1\",64,weight,r1\n0.5,kv:9,16,kv,\n"
-                  "2.0,emb@3,8,embedding,r2\n")
+    cs.write_text(
+        't,key,nbytes,kind,req\n0.5,"params/w@0,1",64,weight,r1\n0.5,kv:9,16,kv,\n'
+        "2.0,emb@3,8,embedding,r2\n"
+    )
     for path in (jl, cs):
         trace = read_trace(path)
         assert list(trace.records()) == rows
@@ -62,8 +64,12 @@ def test_log_jsonl_and_csv_read_the_same(tmp_path):
 @pytest.mark.parametrize(
     ("text", "line", "what"),
     [
-        ('{"t": 1, "key": "a", "nbytes": 1, "kind": "kv"}\n{"t": 0, "key": "a", "nbytes": 1, '
-         '"kind": "kv"}\n', 2, "back in time"),
+        (
+            '{"t": 1, "key": "a", "nbytes": 1, "kind": "kv"}\n{"t": 0, "key": "a", "nbytes": 1, '
+            '"kind": "kv"}\n',
+            2,
+            "back in time",
+        ),
         ('{"t": 1, "key": "a", "nbytes": 0, "kind": "kv"}\n', 1, "nbytes"),
         ('{"t": 1, "key": "a", "nbytes": 1, "kind": "blob"}\n', 1, "kind"),
         ('{"t": 1, "key": "a", "nbytes": 1, "kind": "kv"}\n{oops\n', 2, "not JSON"),
@@ -137,8 +143,10 @@ def _live(trace: Trace, policy, device: int, host: int) -> TieredCache:
         host_bytes=host,
         policy=policy,
         clock=lambda: clock[0],
-        tiers=[MetadataTier(device, name="device", setting="device_bytes"),
-               MetadataTier(host, name="host", setting="host_bytes")],
+        tiers=[
+            MetadataTier(device, name="device", setting="device_bytes"),
+            MetadataTier(host, name="host", setting="host_bytes"),
+        ],
         read_buffer=1,
     )
     for t, key in zip(trace.t.tolist(), trace.keys):
@@ -161,12 +169,33 @@ def test_replay_fast_path_equals_live_get_path(policy, device, host):
 @pytest.mark.parametrize("fraction", [0.01, 0.05, 0.10, 0.20])
 def test_lru_equals_libcachesim_lru(fraction):
     import libcachesim as lcs  # in the test extra: a missing peer is a failure, not a skip
+
     trace = read_trace(MOONCAKE, limit=30_000)
     size = int(len(set(trace.keys)) * fraction)
     ours = replay(trace, device_bytes=size, host_bytes=0, policy="lru")
     peer = lcs.LRU(cache_size=size)
     misses = sum(
         not peer.get(lcs.Request(obj_id=int(k[3:]), obj_size=1, clock_time=i))
+        for i, k in enumerate(trace.keys)
+    )
+    assert ours["misses"] == misses
+
+
+def test_lru_equals_libcachesim_lru_with_byte_sizes():
+    # cloudPhysicsIO: sizes vary between accesses to one key; both sides use the key's size in
+    # replay (its largest), as bench.policies does for every peer.
+    import libcachesim as lcs
+
+    trace = read_trace(CLOUDPHYSICS, limit=20_000)
+    sizes = trace.sizes()
+    budget = int(trace.distinct_bytes() * 0.05)
+    ours = replay(trace, device_bytes=budget, host_bytes=0, policy="lru")
+    peer = lcs.LRU(cache_size=budget)
+    ids: dict = {}
+    misses = sum(
+        not peer.get(
+            lcs.Request(obj_id=ids.setdefault(k, len(ids)), obj_size=sizes[k], clock_time=i)
+        )
         for i, k in enumerate(trace.keys)
     )
     assert ours["misses"] == misses
