@@ -538,22 +538,25 @@ def lfu_plain(*, ttl: float | None = 86400.0, ghost_entries: int = 65536) -> Pol
 
 
 def _trim_ghosts(state: LfuState) -> None:
-    ghosts = state.ghosts
-    params = state.params
+    """Drops the oldest ghosts while they exceed ``ghost_entries`` or their share of the bytes."""
+    ghosts, params = state.ghosts, state.params
     limit = params[_GHOSTS]
     blimit = params[_HISTORY] * params[_RESIDENT]
-    stamps, prio, last, tiers = state.stamps, state.prio, state.last, state.main + state.window
-    popitem = ghosts.popitem
+    popitem, forget, prio, last = ghosts.popitem, state.stamps.pop, state.prio, state.last
+    main, window = state.main, state.window
+    single = len(main) == 1
     while len(ghosts) > limit or params[_GBYTES] > blimit and len(ghosts) > _MIN_GHOSTS:
-        key, g = popitem(last=False)
+        key, g = popitem(False)
         params[_GBYTES] -= g if g >= 0 else -g - 1
-        stamps.pop(key, None)
-        for segment in tiers:
-            if key in segment:
-                break
-        else:
-            del prio[key]
-            last.pop(key, None)
+        forget(key, None)
+        # A ghost is resident again only between the access that missed and its insert.
+        if single:
+            if key in main[0] or key in window[0]:
+                continue
+        elif any(key in m or key in w for m, w in zip(main, window)):
+            continue
+        del prio[key]
+        last.pop(key, None)
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {"lfu": lfu, "lru": lru, "lfu-plain": lfu_plain}
