@@ -246,19 +246,34 @@ class TieredCache:
         locking machinery that concurrent data movement needs. Not for runtime blocks.
         """
         now = self._clock()
-        nbytes = (self._runtime.get(key) or self._store_info(key)).nbytes
+        info = self._runtime.get(key) if self._runtime else None
+        nbytes = (info or self._store_info(key)).nbytes
+        # `_account`, inlined: this is replay's per-access path.
+        n = self._n
+        n["bytes"] += nbytes
+        policy, state = self.policy, self._pstate
         if key in self._l1:
-            self._account(key, "device", now, nbytes)
+            n["device"] += 1
+            policy.access(state, key, now)
+            if self._has_ttl and now >= self._next_expire:
+                self._expire(now)
             return
-        policy, state, tiers = self.policy, self._pstate, self._tiers
+        tiers = self._tiers
         host = tiers[HOST] if len(tiers) > HOST else None
         if host is not None and key in host.entries:
-            self._account(key, "host", now, nbytes)
+            n["host"] += 1
+            policy.access(state, key, now)
+            if self._has_ttl and now >= self._next_expire:
+                self._expire(now)
             policy.remove(state, HOST, key)
             del host.entries[key]
             host.used -= nbytes
         else:
-            self._account(key, "miss", now, nbytes)
+            n["miss"] += 1
+            n["miss_bytes"] += nbytes
+            policy.access(state, key, now)
+            if self._has_ttl and now >= self._next_expire:
+                self._expire(now)
         if self._room_sync(DEVICE, nbytes, key, now):
             self._l1[key] = PRESENT
             policy.insert(state, DEVICE, key, now, nbytes)
@@ -278,7 +293,7 @@ class TieredCache:
                 return False
             policy.remove(state, tier_index, victim)
             del tier.entries[victim]
-            size = (self._runtime.get(victim) or self._store_info(victim)).nbytes
+            size = ((self._runtime.get(victim) if self._runtime else None) or self._store_info(victim)).nbytes
             demote = tier_index == DEVICE and len(self._tiers) > HOST and self._tiers[HOST].budget > 0
             if demote and self._room_sync(HOST, size, victim, now):
                 self._tiers[HOST].entries[victim] = PRESENT
