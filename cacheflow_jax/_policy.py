@@ -51,8 +51,11 @@ benchmark notes).
 left from the window recently (within 8x the window's bytes of evictions) says the window was too
 small, and the share grows by one resident entry's worth; one demoted from the protected segment
 that left within the protected segment's bytes says the opposite. The share stays between
-``window`` and 0.9 (one share for all tiers). Each ghost keeps its eviction age (bytes removed
-since) for this test.
+``window`` and 0.9. Each ghost keeps its eviction age (bytes removed since) for this test. Only
+the last tier that holds blocks (the one whose evictions leave the cache) uses the adapted share;
+a tier above it keeps the least share, so L1 stays frequency-protected: on the demo's log (L1
+1/6, L2 1/3 of the weights) L1 served 37% of accesses when it shared L2's adapted window, 51%
+with its own.
 
 *Two tiers.* A block demoted from L1 to L2 keeps its segment (a window block enters L2's window,
 a protected one L2's protected segment): a demotion is not an access, so it is not judged
@@ -313,7 +316,7 @@ def lfu(
         # Keep main within its share of the tier's bytes: its lowest keys go back to the window
         # (a second chance).
         main, win, used = state.main[tier], state.window[tier], state.nbytes[tier]
-        share = 1.0 - state.params[_WINDOW]
+        share = 1.0 - _share(state, tier)
         while len(main) > 1 and used[1] > share * (used[0] + used[1]):
             _, low = _top(state, tier)
             heappop(state.heaps[tier])
@@ -365,7 +368,7 @@ def lfu(
         # No heap work on a hit: the test uses main's lowest priority as of the last eviction or
         # insert, and main's overflow goes back to the window at the next insert.
         if not all_window and (
-            old >= params[_LOWP] or used[1] < (1.0 - params[_WINDOW]) * (used[0] + used[1])
+            old >= params[_LOWP] or used[1] < (1.0 - _share(state, tier)) * (used[0] + used[1])
         ):
             n = win.pop(key)
             if n < 0:
@@ -407,7 +410,7 @@ def lfu(
             low is None
             or pre >= low_p  # it was back sooner than main's weakest: protect it
             or not full
-            and used[1] + nbytes <= (1.0 - params[_WINDOW]) * (used[0] + used[1] + nbytes)
+            and used[1] + nbytes <= (1.0 - _share(state, tier)) * (used[0] + used[1] + nbytes)
         ):
             main[key] = nbytes
             used[1] += nbytes
@@ -445,7 +448,7 @@ def lfu(
     def victim(state: LfuState, tier: int) -> Key | None:
         win, main, used = state.window[tier], state.main[tier], state.nbytes[tier]
         state.params[_FULL][tier] = True
-        if win and (not main or used[0] > state.params[_WINDOW] * (used[0] + used[1])):
+        if win and (not main or used[0] > _share(state, tier) * (used[0] + used[1])):
             return next(iter(win))
         return _top(state, tier)[1]
 
@@ -483,6 +486,17 @@ def lfu(
         }
 
     return Policy(name, init, access, insert, remove, victim, admit, expired, describe)
+
+
+def _share(state: LfuState, tier: int) -> float:
+    """The window share of ``tier``: the adaptive one in the last tier that holds blocks (the one
+    whose evictions leave the cache and become ghosts), the least one above it."""
+    params = state.params
+    if tier + 1 < len(state.nbytes):
+        below = state.nbytes[tier + 1]
+        if below[0] or below[1]:
+            return params[_MIN_WINDOW]
+    return params[_WINDOW]
 
 
 def _adapt_window(state: LfuState, key: Key) -> None:
