@@ -59,8 +59,8 @@ with its own.
 
 *Two tiers.* A block demoted from L1 to L2 keeps its segment (a window block enters L2's window,
 a protected one L2's protected segment): a demotion is not an access, so it is not judged
-again. With L2 = 4x L1 this keeps L1 + L2 within about 0.03 of one tier of the summed size on
-the shared traces; judging demoted blocks again let L1's window victims crowd L2's protected
+again. With L2 = 4x L1 this keeps L1 + L2 within 0.027 of one tier of the summed size on the
+shared traces; judging demoted blocks again let L1's window victims crowd L2's protected
 segment (0.12 worse on cloudPhysicsIO).
 
 *Half-life.* By default (``half_life=None``) it adapts online, as below. On the shared traces a
