@@ -6,24 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from test_cli import SMALL_DEMO, _run  # the same small demo and CLI runner as the CLI tests
 
 import predictor
-from cacheflow_jax.cli import main
-
-SMALL_DEMO = [
-    "--layers", "2",
-    "--experts", "4",
-    "--expert-mb", "0.0625",
-    "--d-model", "64",
-    "--warmup", "2",
-    "--no-progress",
-]  # fmt: skip
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
