@@ -212,12 +212,14 @@ _MIN_LOG_H, _MAX_LOG_H = 8.0, 20.0  # the adaptive half-life stays within 256 ..
 
 
 class LfuState(NamedTuple):
-    window: list  # per tier: OrderedDict[key, nbytes], newcomers in LRU order (oldest first)
+    # Sizes are stored as ``nbytes``, or ``-nbytes - 1`` for a key that was in the protected segment
+    # (demoted to the window, or a ghost that left from there): one int says size and origin.
+    window: list  # per tier: OrderedDict[key, size], newcomers in LRU order (oldest first)
     main: list  # per tier: dict[key, nbytes], the protected keys, ordered by priority
     heaps: list  # per tier: list[(priority, key)], lazy min-heap of lower bounds over ``main``
     prio: dict  # key -> priority log2(min(s, cap)) + tick/half_life, for residents and ghosts
     last: dict  # key -> last access time in seconds (TTL), same keys as ``prio``
-    ghosts: OrderedDict  # non-resident keys with a remembered score, oldest first
+    ghosts: OrderedDict  # key -> size (0: accessed, never resident) of non-residents, oldest first
     params: list  # see the _INV.. indices above
     ttl: float
     pending: dict  # key -> its priority before the access that missed, until it is inserted
