@@ -355,7 +355,7 @@ def lfu(
             # Not in L1, so the cache will insert it there (a key in L2 moves up): ``insert``
             # judges it on its priority *before* this access. The cache may access several keys
             # before inserting them (get_many), so this is kept per key.
-            if old is not None and not all_window:
+            if old is not None and not all_window and state.ghosts.get(key):
                 _adapt_window(state, key)
             pending = state.pending
             if len(pending) >= _MAX_PENDING:
@@ -440,19 +440,29 @@ def lfu(
             used[1] -= n
             g = -n - 1
         params = state.params
-        params[_RESIDENT] -= n
-        state.ghosts[key] = g
-        params[_GBYTES] += n
-        params[_EVICTED] += n
-        state.stamps[key] = params[_EVICTED]
-        if params[_GBYTES] > params[_HISTORY] * params[_RESIDENT] or len(state.ghosts) > params[2]:
+        resident = params[_RESIDENT] = params[_RESIDENT] - n
+        ghosts = state.ghosts
+        ghosts[key] = g
+        gbytes = params[_GBYTES] = params[_GBYTES] + n
+        evicted = params[_EVICTED] = params[_EVICTED] + n
+        state.stamps[key] = evicted
+        if gbytes > params[_HISTORY] * resident or len(ghosts) > params[_GHOSTS]:
             _trim_ghosts(state)
 
     def victim(state: LfuState, tier: int) -> Key | None:
-        win, main, used = state.window[tier], state.main[tier], state.nbytes[tier]
-        state.params[_FULL][tier] = True
-        if win and (not main or used[0] > _share(state, tier) * (used[0] + used[1])):
-            return next(iter(win))
+        win, main = state.window[tier], state.main[tier]
+        params = state.params
+        params[_FULL][tier] = True
+        if win:
+            if not main:
+                return next(iter(win))
+            nbytes = state.nbytes
+            used = nbytes[tier]
+            share = params[_WINDOW]  # `_share`, inlined: victim runs on every eviction
+            if tier + 1 < len(nbytes) and (nbytes[tier + 1][0] or nbytes[tier + 1][1]):
+                share = params[_MIN_WINDOW]
+            if used[0] > share * (used[0] + used[1]):
+                return next(iter(win))
         return _top(state, tier)[1]
 
     def admit(state: LfuState, key: Key, victim_key: Key) -> bool:
