@@ -53,12 +53,8 @@ from bench._common import (
     summarize,
 )
 from bench._common import timed as _seconds
+from cacheflow_jax import open_store, write_store
 from cacheflow_jax._cache import TieredCache
-
-try:
-    from cacheflow_jax import open_store, write_store
-except ImportError:  # the package root may not re-export the store yet
-    from cacheflow_jax._store import open_store, write_store
 
 NAME = "cold_read"
 ARRAY = "x"

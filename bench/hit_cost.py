@@ -39,13 +39,9 @@ from bench._common import (
     summarize,
     timed,
 )
+from cacheflow_jax import write_store
 from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._serving import serving
-
-try:
-    from cacheflow_jax import write_store
-except ImportError:  # the package root may not re-export the store yet
-    from cacheflow_jax._store import write_store
 
 NAME = "hit_cost"
 BLOCK_FLOATS = 256  # 1 KiB blocks: the hit path never touches the data, so size does not matter
