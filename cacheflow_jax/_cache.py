@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from cacheflow_jax._blocks import KEY_SEPARATOR, BlockInfo, BudgetError, Store
-from cacheflow_jax._policy import Policy, get_policy
+from cacheflow_jax._policy import Policy, admit_all, get_policy
 from cacheflow_jax._tiers import PRESENT, AbstractTier, DeviceTier, HostTier
 
 DEVICE, HOST = 0, 1
@@ -136,6 +136,7 @@ class TieredCache:
                 )
         self.store = store
         self.policy = get_policy(policy)
+        self._admit = None if self.policy.admit is admit_all else self.policy.admit
         if prefetcher is not None:
             raise NotImplementedError(
                 "prefetcher=: prefetching is not wired into TieredCache yet; predictors can be "
@@ -154,6 +155,10 @@ class TieredCache:
         self._room = threading.Condition(self._lock)  # notified whenever tier bytes are released
         self._room_waiters = 0
         self._l1 = self._tiers[DEVICE].entries  # the hit path reads this dict without the lock
+        # L2 if it can hold blocks (replay's `access_sync` reads it on every access), else None.
+        self._host = (
+            self._tiers[HOST] if len(self._tiers) > HOST and self._tiers[HOST].budget > 0 else None
+        )
         self._reads: collections.deque[str] = collections.deque()
         self._read_buffer = max(1, int(read_buffer))
         self._inflight: dict[str, _Transit] = {}
@@ -237,15 +242,20 @@ class TieredCache:
 
     # --------------------------------------------------------------------- replay (one thread)
 
-    def access_sync(self, key: str) -> None:
+    def access_sync(self, key: str, now: float | None = None) -> None:
         """Records one access and moves blocks as `get` would, synchronously and without data.
 
         For replay over metadata-only tiers (`MetadataTier`) in a single thread: it makes the same
         calls on the same policy and tiers, in the same order, as `get` with ``read_buffer=1`` (a
         test checks that both give identical counters and residency), without the transit and
         locking machinery that concurrent data movement needs. Not for runtime blocks.
+
+        Args:
+          key: the block accessed.
+          now: the access time (replay passes the trace's); by default the cache's clock.
         """
-        now = self._clock()
+        if now is None:
+            now = self._clock()
         info = self._runtime.get(key) if self._runtime else None
         nbytes = (info or self._store_info(key)).nbytes
         # `_account`, inlined: this is replay's per-access path.
@@ -258,8 +268,7 @@ class TieredCache:
             if self._has_ttl and now >= self._next_expire:
                 self._expire(now)
             return
-        tiers = self._tiers
-        host = tiers[HOST] if len(tiers) > HOST else None
+        host = self._host
         if host is not None and key in host.entries:
             n["host"] += 1
             policy.access(state, key, now)
@@ -274,32 +283,44 @@ class TieredCache:
             policy.access(state, key, now)
             if self._has_ttl and now >= self._next_expire:
                 self._expire(now)
-        if self._room_sync(DEVICE, nbytes, key, now):
+        l1 = self._tiers[DEVICE]
+        if l1.used + nbytes <= l1.budget or self._room_sync(DEVICE, nbytes, key, now):
+            l1.used += nbytes
             self._l1[key] = PRESENT
             policy.insert(state, DEVICE, key, now, nbytes)
-        elif host is not None and self._room_sync(HOST, nbytes, key, now):
+        elif host is not None and (
+            host.used + nbytes <= host.budget or self._room_sync(HOST, nbytes, key, now)
+        ):
+            host.used += nbytes
             host.entries[key] = PRESENT
             policy.insert(state, HOST, key, now, nbytes)
 
     def _room_sync(self, tier_index: int, nbytes: int, key: str, now: float) -> bool:
-        """`_make_room` and `_evict_one` for `access_sync`: the same decisions, no transfers."""
+        """`_make_room` and `_evict_one` for `access_sync`: the same decisions, no transfers.
+
+        Evicts until ``nbytes`` fit in the tier and returns True, or returns False if the policy
+        does not admit ``key``; the caller adds ``nbytes`` to the tier's ``used``.
+        """
         tier = self._tiers[tier_index]
         if nbytes > tier.budget:
             return False
-        policy, state = self.policy, self._pstate
+        policy, state, admit = self.policy, self._pstate, self._admit
+        entries, runtime, store_info = tier.entries, self._runtime, self._store_info
+        host = self._host if tier_index == DEVICE else None  # victims of L1 go down to L2
         while tier.used + nbytes > tier.budget:
             victim = policy.victim(state, tier_index)
-            if victim is None or not policy.admit(state, key, victim):
+            if victim is None or admit is not None and not admit(state, key, victim):
                 return False
             policy.remove(state, tier_index, victim)
-            del tier.entries[victim]
-            size = ((self._runtime.get(victim) if self._runtime else None) or self._store_info(victim)).nbytes
-            demote = tier_index == DEVICE and len(self._tiers) > HOST and self._tiers[HOST].budget > 0
-            if demote and self._room_sync(HOST, size, victim, now):
-                self._tiers[HOST].entries[victim] = PRESENT
+            del entries[victim]
+            size = ((runtime.get(victim) if runtime else None) or store_info(victim)).nbytes
+            if host is not None and (
+                host.used + size <= host.budget or self._room_sync(HOST, size, victim, now)
+            ):
+                host.used += size
+                host.entries[victim] = PRESENT
                 policy.insert(state, HOST, victim, now, size)
             tier.used -= size
-        tier.used += nbytes
         return True
 
     # ----------------------------------------------------------------------------- miss path

@@ -134,6 +134,14 @@ def _check_ttl(ttl: float | None) -> float:
     return float(ttl)
 
 
+def admit_all(state: Any, key: Key, victim_key: Key) -> bool:
+    """The ``admit`` of policies that take every newcomer (``lru``, ``lfu``).
+
+    The cache sees this function and skips the call on its eviction path.
+    """
+    return True
+
+
 def _expired(order: OrderedDict, now: float, ttl: float) -> list[Key]:
     # ``order`` maps key -> last access time in recency order, so the stale ones are a prefix.
     out = []
@@ -183,16 +191,13 @@ def lru(*, ttl: float | None = None) -> Policy:
         order = state.order[tier]
         return next(iter(order)) if order else None
 
-    def admit(state: LruState, key: Key, victim_key: Key) -> bool:
-        return True
-
     def expired(state: LruState, tier: int, now: float) -> list[Key]:
         return _expired(state.order[tier], now, state.ttl)
 
     def describe(state: LruState) -> dict:
         return {"name": "lru", "ttl": None if state.ttl == math.inf else state.ttl}
 
-    return Policy("lru", init, access, insert, remove, victim, admit, expired, describe)
+    return Policy("lru", init, access, insert, remove, victim, admit_all, expired, describe)
 
 
 # --------------------------------------------------------------------------------------------- LFU
@@ -408,10 +413,10 @@ def lfu(
         win = state.window[tier]
         full = params[_FULL][tier]  # did the cache ask for a victim to make room for this key?
         params[_FULL][tier] = False
-        low_p, low = _top(state, tier)
         if (
-            low is None
-            or pre >= low_p  # it was back sooner than main's weakest: protect it
+            not main
+            or pre != _NEG
+            and pre >= _top(state, tier)[0]  # it was back sooner than main's weakest: protect it
             or not full
             and used[1] + nbytes <= (1.0 - _share(state, tier)) * (used[0] + used[1] + nbytes)
         ):
@@ -445,9 +450,20 @@ def lfu(
         ghosts[key] = g
         gbytes = params[_GBYTES] = params[_GBYTES] + n
         evicted = params[_EVICTED] = params[_EVICTED] + n
-        state.stamps[key] = evicted
-        if gbytes > params[_HISTORY] * resident or len(ghosts) > params[_GHOSTS]:
-            _trim_ghosts(state)
+        stamps = state.stamps
+        stamps[key] = evicted
+        # `_trim_ghosts`, inlined: once the history is full every eviction drops a ghost.
+        blimit = params[_HISTORY] * resident
+        limit = params[_GHOSTS]
+        if gbytes > blimit or len(ghosts) > limit:
+            prio, last = state.prio, state.last
+            while len(ghosts) > limit or gbytes > blimit and len(ghosts) > _MIN_GHOSTS:
+                old, g = ghosts.popitem(False)
+                gbytes -= g if g >= 0 else -g - 1
+                stamps.pop(old, None)
+                del prio[old]
+                last.pop(old, None)
+            params[_GBYTES] = gbytes
 
     def victim(state: LfuState, tier: int) -> Key | None:
         win, main = state.window[tier], state.main[tier]
@@ -464,9 +480,6 @@ def lfu(
             if used[0] > share * (used[0] + used[1]):
                 return next(iter(win))
         return _top(state, tier)[1]
-
-    def admit(state: LfuState, key: Key, victim_key: Key) -> bool:
-        return True  # newcomers enter the window; the window, not admission, filters them
 
     def expired(state: LfuState, tier: int, now: float) -> list[Key]:
         # A sweep over the residents every ttl/8 seconds: O(1) amortised per access, and no
@@ -498,7 +511,8 @@ def lfu(
             "ghost_entries": params[_GHOSTS],
         }
 
-    return Policy(name, init, access, insert, remove, victim, admit, expired, describe)
+    # Newcomers enter the window; the window, not admission, filters them.
+    return Policy(name, init, access, insert, remove, victim, admit_all, expired, describe)
 
 
 def _share(state: LfuState, tier: int) -> float:
@@ -584,18 +598,13 @@ def _trim_ghosts(state: LfuState) -> None:
     limit = params[_GHOSTS]
     blimit = params[_HISTORY] * params[_RESIDENT]
     popitem, forget, prio, last = ghosts.popitem, state.stamps.pop, state.prio, state.last
-    main, window = state.main, state.window
-    single = len(main) == 1
+    # No ghost is resident (``insert`` takes a key out of the ghosts, ``remove`` puts it back), so
+    # its bookkeeping goes with it. A key accessed but not inserted yet may go too: its insert then
+    # counts it as new.
     while len(ghosts) > limit or params[_GBYTES] > blimit and len(ghosts) > _MIN_GHOSTS:
         key, g = popitem(False)
         params[_GBYTES] -= g if g >= 0 else -g - 1
         forget(key, None)
-        # A ghost is resident again only between the access that missed and its insert.
-        if single:
-            if key in main[0] or key in window[0]:
-                continue
-        elif any(key in m or key in w for m, w in zip(main, window)):
-            continue
         del prio[key]
         last.pop(key, None)
 

@@ -266,12 +266,13 @@ def replay(
     step = 8192
     for lo in range(0, len(keys), step):
         hi = min(lo + step, len(keys))
-        for i in range(lo, hi):
-            clock.now = times[i]
-            get(keys[i])
+        for key, now in zip(keys[lo:hi], times[lo:hi]):
+            get(key, now)
         bar.update(hi - lo)
     elapsed = time.perf_counter() - start
     bar.close()
+    if times:
+        clock.now = times[-1]
     stats = cache.stats()
     stats["trace"] = trace.path
     stats["device_bytes"] = device_bytes
