@@ -48,19 +48,24 @@ pushed out protected keys that were about to be reused; Mooncake would rather ke
 benchmark notes).
 
 *Adaptive window.* The window's share follows ARC's rule for its recency list: a missed key that
-left from the window recently (within 8x the window's bytes of evictions) says the window was too
-small, and the share grows by one resident entry's worth; one demoted from the protected segment
-that left within the protected segment's bytes says the opposite. The share stays between
-``window`` and 0.9. Each ghost keeps its eviction age (bytes removed since) for this test. Only
-the last tier that holds blocks (the one whose evictions leave the cache) uses the adapted share;
-a tier above it keeps the least share, so L1 stays frequency-protected: on the demo's log (L1
-1/6, L2 1/3 of the weights) L1 served 37% of accesses when it shared L2's adapted window, 51%
-with its own.
+left from the window recently says the window was too small, and the share grows by one resident
+entry's worth; one demoted from the protected segment that left within the protected segment's
+bytes says the opposite. "Recently" for a window ghost is within 8x the window's bytes and
+within the protected segment's bytes of evictions (ARC's B1 list holds at most the cache less
+its T1; without that bound the window grew to 0.9 on Mooncake at 1% and the policy fell to LRU's
+miss ratio), and such a key enters the protected segment, as ARC moves a B1 hit to T2. The share
+stays between ``window`` and 0.9. Each ghost keeps its eviction age (bytes removed since) for
+this test. The share is of the whole cache's bytes, as in one tier of the
+summed size. A tier above the last one that holds blocks keeps the least share of its own bytes,
+so L1 stays frequency-protected (on the demo's log, L1 1/6 and L2 1/3 of the weights, L1 served
+37% of accesses when it had L2's adapted share, 51% with the least); the last tier (the one
+whose evictions leave the cache) holds the rest of the window's bytes.
 
 *Two tiers.* A block demoted from L1 to L2 keeps its segment (a window block enters L2's window,
 a protected one L2's protected segment): a demotion is not an access, so it is not judged
-again. With L2 = 4x L1 this keeps L1 + L2 within 0.027 of one tier of the summed size on the
-shared traces; judging demoted blocks again let L1's window victims crowd L2's protected
+again. With L2 = 4x L1 this keeps L1 + L2 within 0.018 of one tier of the summed size on the
+shared traces (0.026 when L2 had the adapted share of its own bytes, not of the whole cache's);
+judging demoted blocks again let L1's window victims crowd L2's protected
 segment (0.12 worse on cloudPhysicsIO).
 
 *Half-life.* By default (``half_life=None``) it adapts online, as below. On the shared traces a
@@ -401,9 +406,11 @@ def lfu(
         else:
             g = state.ghosts.pop(key, 0)
             params[_GBYTES] -= g if g >= 0 else -g - 1
-            state.stamps.pop(key, None)
+            stamp = state.stamps.pop(key, None)
             if pre is None:  # moved between tiers without an access (a demotion): it keeps its
                 pre = math.inf if g < 0 else _NEG  # segment, protected (g < 0) or window
+            elif g > 0 and stamp is not None and _recent(state, params[_EVICTED] - stamp, g):
+                pre = math.inf  # a window ghost back soon: protect it, as ARC moves B1 to T2
         main, used = state.main[tier], state.nbytes[tier]
         params[_RESIDENT] += nbytes
         if all_window:
@@ -474,9 +481,11 @@ def lfu(
                 return next(iter(win))
             nbytes = state.nbytes
             used = nbytes[tier]
-            share = params[_WINDOW]  # `_share`, inlined: victim runs on every eviction
+            share = params[_WINDOW]  # `_share`, inlined for one tier: victim runs on every eviction
             if tier + 1 < len(nbytes) and (nbytes[tier + 1][0] or nbytes[tier + 1][1]):
                 share = params[_MIN_WINDOW]
+            elif tier:
+                share = _share(state, tier)
             if used[0] > share * (used[0] + used[1]):
                 return next(iter(win))
         return _top(state, tier)[1]
@@ -516,42 +525,69 @@ def lfu(
 
 
 def _share(state: LfuState, tier: int) -> float:
-    """The window share of ``tier``: the adaptive one in the last tier that holds blocks (the one
-    whose evictions leave the cache and become ghosts), the least one above it."""
+    """The window share of ``tier``'s bytes.
+
+    Tiers above the last one that holds blocks keep the least share. The adaptive share is of the
+    whole cache's bytes, as in one tier of the summed size: the last tier (whose evictions leave
+    the cache and become ghosts) holds the window bytes that the tiers above it do not.
+    """
     params = state.params
-    if tier + 1 < len(state.nbytes):
-        below = state.nbytes[tier + 1]
+    nbytes = state.nbytes
+    if tier + 1 < len(nbytes):
+        below = nbytes[tier + 1]
         if below[0] or below[1]:
             return params[_MIN_WINDOW]
-    return params[_WINDOW]
+    share = params[_WINDOW]
+    if tier:
+        above_window = above = 0
+        for u in nbytes[:tier]:
+            above_window += u[0]
+            above += u[0] + u[1]
+        mine = nbytes[tier][0] + nbytes[tier][1]
+        if mine > 0:
+            share = (share * (above + mine) - above_window) / mine
+            share = 0.0 if share < 0.0 else 1.0 if share > 1.0 else share
+    return share
+
+
+def _recent(state: LfuState, age: float, g: int) -> bool:
+    """Did a ghost that left ``age`` bytes of evictions ago leave recently enough to say that a
+    modestly bigger segment would have kept it? ``g``: its stored size (> 0 for a window ghost).
+
+    A window ghost: within 8x the window's bytes and within the protected bytes (ARC's B1 list
+    holds at most the cache less its T1). A protected ghost: within the protected bytes. The
+    segments' bytes are summed over the tiers (ghosts leave from the last one).
+    """
+    used = state.nbytes
+    if len(used) == 1:
+        window_bytes, main_bytes = used[0]
+    else:
+        window_bytes = sum(u[0] for u in used)
+        main_bytes = sum(u[1] for u in used)
+    if g > 0:
+        return age <= 8.0 * window_bytes and age <= main_bytes
+    return age <= main_bytes
 
 
 def _adapt_window(state: LfuState, key: Key) -> None:
     """ARC's adaptation of its recency share, on ghost hits.
 
-    A missed ``key`` that left the cache recently from the window (a newcomer never promoted)
-    means the window was too small for it; one that left from the protected segment means that
-    segment was. The share moves by one L1 entry's worth. "Recently": within 8x the window's
-    bytes, or 1x the protected bytes (all tiers), of bytes removed since (a longer-gone key would
-    not have been kept by a modestly bigger segment either).
+    A missed ``key`` that left the cache recently (`_recent`) from the window (a newcomer never
+    promoted) means the window was too small for it: the share grows (and ``insert`` protects the
+    key, as ARC moves a B1 hit to T2). One that left recently from the protected segment means
+    that segment was too small: the share shrinks. A step is one L1 entry's worth.
     """
     g = state.ghosts.get(key)
     stamp = state.stamps.get(key)
     if not g or stamp is None:  # 0: never resident; None: no eviction age
         return
     params = state.params
-    used = state.nbytes
-    if len(used) == 1:
-        window_bytes, main_bytes = used[0]
-    else:  # ghosts leave from the last tier: compare with the segments' bytes in all tiers
-        window_bytes = sum(u[0] for u in used)
-        main_bytes = sum(u[1] for u in used)
-    age = params[_EVICTED] - stamp
+    if not _recent(state, params[_EVICTED] - stamp, g):
+        return
     step = 1.0 / (len(state.main[0]) + len(state.window[0]) + 1)
     if g > 0:
-        if age <= 8.0 * window_bytes:
-            params[_WINDOW] = min(params[_WINDOW] + step, max(_MAX_WINDOW, params[_MIN_WINDOW]))
-    elif age <= main_bytes:
+        params[_WINDOW] = min(params[_WINDOW] + step, max(_MAX_WINDOW, params[_MIN_WINDOW]))
+    else:
         params[_WINDOW] = max(params[_WINDOW] - step, params[_MIN_WINDOW])
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cacheflow_jax._policy import get_policy, lfu, lfu_plain, lru
+from cacheflow_jax._policy import _WINDOW, _share, get_policy, lfu, lfu_plain, lru
 
 
 def _drive(policy, keys, capacity, now=None):
@@ -190,6 +190,41 @@ def test_window_adapts_to_ghost_hits_and_stays_in_bounds():
     del resident[protected]
     policy.access(state, protected, 1.0)
     assert policy.describe(state)["window_now"] == pytest.approx(grown - 1 / (len(resident) + 1))
+
+
+def test_a_window_ghost_back_soon_is_protected_and_one_back_late_is_not():
+    def run(evict_first: int) -> tuple:
+        policy = lfu(half_life=4096.0)
+        # A loop of 24 keys through a 20-entry cache: k9 has just left from the window.
+        keys = [f"k{i % 24}" for i in range(3000)]
+        state, resident = _drive_sized(policy, keys, {f"k{i}": 1 for i in range(24)}, 20)
+        assert state.ghosts["k9"] > 0  # a window ghost
+        for _ in range(evict_first + 1):  # room for k9, and maybe more evictions before it
+            policy.remove(state, 0, policy.victim(state, 0))
+        age = state.params[17] - state.stamps["k9"]  # _EVICTED: bytes removed since it left
+        policy.access(state, "k9", 3000.0)
+        policy.insert(state, 0, "k9", 3000.0)
+        return "k9" in state.main[0], age, state.nbytes[0][1]
+
+    protected, age, main_bytes = run(0)
+    assert protected and age <= main_bytes  # ARC's B1 hit: into the protected segment
+    protected, age, main_bytes = run(16)
+    assert not protected and age > main_bytes  # gone longer than B1 would remember: the window
+
+
+def test_the_window_share_is_of_the_whole_cache_across_tiers():
+    policy = lfu(window=0.01)
+    state = policy.init(2)
+    state.params[_WINDOW] = 0.3  # as adapted
+    state.nbytes[0][:] = [2, 98]  # L1: window, protected bytes
+    state.nbytes[1][:] = [100, 300]  # L2
+    assert _share(state, 0) == 0.01  # L1 keeps the least share while L2 holds blocks
+    # L2 holds the rest of the window, so that both tiers together have 30% in their windows.
+    assert 2 + _share(state, 1) * 400 == pytest.approx(0.3 * 500)
+    state.nbytes[0][:] = [200, 0]  # L1's window alone is over the share: L2 keeps none
+    assert _share(state, 1) == 0.0
+    state.nbytes[1][:] = [0, 0]  # nothing below L1: it has the adapted share itself
+    assert _share(state, 0) == 0.3
 
 
 def test_ghost_history_is_bounded_in_bytes():
