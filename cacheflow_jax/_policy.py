@@ -53,8 +53,9 @@ entry's worth; one demoted from the protected segment that left within the prote
 bytes says the opposite. "Recently" for a window ghost is within 8x the window's bytes and
 within the protected segment's bytes of evictions (ARC's B1 list holds at most the cache less
 its T1; without that bound the window grew to 0.9 on Mooncake at 1% and the policy fell to LRU's
-miss ratio), and such a key enters the protected segment, as ARC moves a B1 hit to T2. The share
-stays between ``window`` and 0.9. Each ghost keeps its eviction age (bytes removed since) for
+miss ratio), and such a key enters the protected segment, as ARC moves a B1 hit to T2 (only in
+a tier with the adapted share: with blocks in L2, L1 judges a newcomer by its priority alone;
+protecting window ghosts in L1 cost the demo's log 2 points of L1 hits). The share stays between ``window`` and 0.9. Each ghost keeps its eviction age (bytes removed since) for
 this test. The share is of the whole cache's bytes, as in one tier of the
 summed size. A tier above the last one that holds blocks keeps the least share of its own bytes,
 so L1 stays frequency-protected (on the demo's log, L1 1/6 and L2 1/3 of the weights, L1 served
@@ -409,8 +410,15 @@ def lfu(
             stamp = state.stamps.pop(key, None)
             if pre is None:  # moved between tiers without an access (a demotion): it keeps its
                 pre = math.inf if g < 0 else _NEG  # segment, protected (g < 0) or window
-            elif g > 0 and stamp is not None and _recent(state, params[_EVICTED] - stamp, g):
-                pre = math.inf  # a window ghost back soon: protect it, as ARC moves B1 to T2
+            elif (
+                g > 0
+                and stamp is not None
+                and (tier + 1 == len(state.nbytes) or not any(state.nbytes[tier + 1]))
+                and _recent(state, params[_EVICTED] - stamp, g)
+            ):
+                # A window ghost back soon, into the tier with the adapted share: protect it,
+                # as ARC moves a B1 hit to T2.
+                pre = math.inf
         main, used = state.main[tier], state.nbytes[tier]
         params[_RESIDENT] += nbytes
         if all_window:
