@@ -105,8 +105,16 @@ def test_names_and_validation():
     assert default["adaptive"] is True  # the default half-life adapts online
 
 
-def test_lfu_judges_batched_misses_like_single_ones():
-    """get_many accesses several missing keys before inserting them: same placement as one by one."""
+def test_lfu_judges_batched_misses_like_single_ones(monkeypatch):
+    """get_many accesses several missing keys before inserting them: same placement as one by one.
+
+    Each key must be judged on its own priority before its access. The window share's adaptation
+    is switched off here: it reacts to the ghosts that earlier inserts of the batch take away,
+    so a batch may move the share by a step more or less than one-by-one accesses would.
+    """
+    import cacheflow_jax._policy as policy_module
+
+    monkeypatch.setattr(policy_module, "_adapt_window", lambda state, key: None)
 
     def placement(batched: bool) -> list:
         policy = lfu(half_life=64.0)
@@ -184,7 +192,18 @@ def test_window_adapts_to_ghost_hits_and_stays_in_bounds():
     d = policy.describe(state)
     assert d["window"] == 0.01 and 0.01 < d["window_now"] <= 0.9
     grown = d["window_now"]
-    # A protected key evicted and missed right away (ARC's B2 hit) shrinks it by one entry's worth.
+    # Steps are ARC's: one entry's worth times max(1, |B2| / |B1|) on a B1 hit (a window ghost),
+    # times max(1, |B1| / |B2|) on a B2 hit (a protected one); here the ghosts' bytes.
+    b1 = sum(g for g in state.ghosts.values() if g > 0)
+    b2 = sum(-g - 1 for g in state.ghosts.values() if g < 0)
+    assert b2 > b1 > 0
+    step = 1 / (len(resident) + 1)
+    back = next(k for k, g in reversed(state.ghosts.items()) if g > 0)  # left the window last
+    policy.access(state, back, 1.0)
+    assert policy.describe(state)["window_now"] == pytest.approx(min(grown + step * b2 / b1, 0.9))
+    grown = policy.describe(state)["window_now"]
+    # A protected key evicted and missed right away (a B2 hit) shrinks it: B2 outnumbers B1 by
+    # then, so by one entry's worth.
     protected = next(iter(state.main[0]))
     policy.remove(state, 0, protected)
     del resident[protected]
