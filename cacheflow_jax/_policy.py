@@ -75,9 +75,9 @@ judging demoted blocks again let L1's window victims crowd L2's protected
 segment (0.12 worse on cloudPhysicsIO).
 
 *Half-life.* By default (``half_life=None``) it adapts online, as below. On the shared traces a
-fixed 4096 accesses did about as well (mean miss ratio over the policy benchmark's 8 points
-.76045 against .76079), but a constant tuned on two traces is a guess elsewhere, so the default
-adapts and a number fixes it.
+fixed 4096 accesses did about as well (with count cap 4: mean miss ratio over the policy
+benchmark's 8 points .76045 against .76079), but a constant tuned on two traces is a guess
+elsewhere, so the default adapts and a number fixes it.
 SHARDS-style sampled shadow caches at half-lives x4 apart were also tried: over a whole trace
 their ranking matched fixed-half-life runs, but within a period it was too noisy and came too late
 on ~100k-access traces, and they cost up to a third of the replay speed.

@@ -328,7 +328,7 @@ def _run_train(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------------------------
 # bench
 
-BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d")
+BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic")
 
 
 def _run_bench(argv: Sequence[str]) -> int:
