@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from cacheflow_jax._policy import _WINDOW, _share, get_policy, lfu, lfu_plain, lru
+from cacheflow_jax._policy import (
+    _GBYTES,
+    _GWINDOW,
+    _WINDOW,
+    _share,
+    get_policy,
+    lfu,
+    lfu_plain,
+    lru,
+)
 
 
 def _drive(policy, keys, capacity, now=None):
@@ -92,6 +101,8 @@ def test_bookkeeping_is_released_with_the_ghosts():
     _, state, resident = _drive(p, keys, 8)
     assert len(state.prio) <= 16 + len(resident)
     assert set(state.prio) == set(state.last)
+    assert state.params[_GBYTES] == sum(g if g >= 0 else -g - 1 for g in state.ghosts.values())
+    assert state.params[_GWINDOW] == sum(g for g in state.ghosts.values() if g > 0)
 
 
 def test_names_and_validation():
@@ -255,5 +266,8 @@ def test_ghost_history_is_bounded_in_bytes():
     ghost_bytes = sum(sizes[k] for k in state.ghosts if k not in resident)
     assert len(state.ghosts) <= 64 or ghost_bytes <= sum(resident.values()) + 64
     assert set(state.stamps) <= set(state.ghosts)
+    # The running byte counts of all ghosts and of the window's (ARC's B1) match the ghosts.
+    assert state.params[_GBYTES] == sum(g if g >= 0 else -g - 1 for g in state.ghosts.values())
+    assert state.params[_GWINDOW] == sum(g for g in state.ghosts.values() if g > 0)
     with pytest.raises(ValueError, match="history"):
         lfu(history=0)
