@@ -13,9 +13,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 KEY_SEPARATOR = "@"
+
+# An entry of a stored pytree's key path: a dict key or a list index.
+KeyKind = jax.tree_util.DictKey | jax.tree_util.SequenceKey
+
+HOW_TO_REPAIR = (
+    "The stored bytes are damaged; re-write the store from its source "
+    "(write_store(tree, path, overwrite=True)) or restore the file from a backup"
+)
 
 
 class BudgetError(ValueError):
