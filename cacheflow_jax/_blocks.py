@@ -39,6 +39,14 @@ class CorruptBlockError(StoreError):
     """A stored chunk failed its checksum; the message names the key and the file."""
 
 
+class StoreTimeoutError(StoreError, TimeoutError):
+    """An L3 operation did not finish within its deadline (the store may be unreachable)."""
+
+
+class DtypeError(TypeError):
+    """A block's dtype cannot be held exactly where it must go (JAX would change it silently)."""
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 _UNITS = {
     "": 1, "b": 1,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ except ImportError:  # a declared dependency; without it every chunk is read by 
     google_crc32c = None
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, ArrayInfo, CorruptBlockError, StoreError
+from cacheflow_jax._futures import _thread_pool
 from cacheflow_jax._locations import _CONTEXT_SPEC, _location
 
 if TYPE_CHECKING:
@@ -76,27 +76,9 @@ _FAST_DTYPES = frozenset(
 )
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
-_POOL_LOCK = threading.Lock()
-
-
 def _file_pool() -> ThreadPoolExecutor:
-    """The reader threads of the fast path: as many as TensorStore's file_io_concurrency.
-
-    Made on first use, and again in a forked child (whose copy of the pool has no threads).
-    """
-    global _POOL
-    pool = _POOL
-    if pool is None or pool[0] != os.getpid():
-        with _POOL_LOCK:
-            pool = _POOL
-            if pool is None or pool[0] != os.getpid():
-                executor = ThreadPoolExecutor(
-                    _CONTEXT_SPEC["file_io_concurrency"]["limit"],
-                    thread_name_prefix="cacheflow-read",
-                )
-                pool = _POOL = (os.getpid(), executor)
-    return pool[1]
+    """The reader threads of the fast path: as many as TensorStore's file_io_concurrency."""
+    return _thread_pool("read", _CONTEXT_SPEC["file_io_concurrency"]["limit"])
 
 
 def _read_chunk_file(entry: _Entry, store: str) -> np.ndarray | None:
@@ -154,6 +136,15 @@ def _read_chunk_file(entry: _Entry, store: str) -> np.ndarray | None:
             store,
             f"crc32c digest mismatch, stored digest is 0x{stored:08x} but computed digest is "
             f"0x{_CRC32C(buf[:-4]):08x}",
+        )
+    stored = int.from_bytes(buf[-4:].tobytes(), "little")
+    if entry.crc is not None and stored != entry.crc:
+        raise _corrupt(
+            entry,
+            store,
+            f"the chunk file is intact but holds another chunk's bytes: its crc32c 0x{stored:08x} "
+            f"differs from 0x{entry.crc:08x}, which the store's chunk manifest records for this "
+            "chunk (a chunk file swapped, or replaced by an older copy)",
         )
     arr = buf[: fast.nbytes].view(fast.dtype).reshape(fast.chunk_shape)
     # An edge chunk is stored at full chunk shape; copy out the block so that the cache does
@@ -263,4 +254,3 @@ def _fast_layout(meta: Mapping[str, Any], arr: ArrayInfo) -> _FastArray | None:
     if name is None:
         return None
     return _FastArray(arr.dtype, chunk_shape, name)
-

@@ -9,13 +9,16 @@ from "failed".
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError, StoreError
+from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError, StoreError, StoreTimeoutError
 from cacheflow_jax._runtime_blocks import _decode_runtime
 
 if TYPE_CHECKING:
@@ -29,7 +32,49 @@ def _translate(err: BaseException, key: str, store: str, where: str) -> BaseExce
         return CorruptBlockError(
             f"block {key!r} in store {store} is corrupt ({where}): {msg}. {HOW_TO_REPAIR}."
         )
+    if "NOT_FOUND" in msg and "is missing" in msg:
+        # The store wrote every chunk, so a missing one was lost (deleted, or never uploaded).
+        return StoreError(
+            f"block {key!r} in store {store} is missing its chunk ({where}): {msg}. The store "
+            "wrote every chunk, so this one was deleted or never uploaded; re-write the store "
+            "from its source (write_store(tree, path, overwrite=True)) or restore the file "
+            "from a backup"
+        )
     return StoreError(f"reading block {key!r} from store {store} ({where}) failed: {msg}")
+
+
+class Deadline:
+    """A point in time by which an L3 operation must finish (``seconds=None``: no deadline)."""
+
+    __slots__ = ("seconds", "at")
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        """Seconds left (0 once past), or None without a deadline."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+
+def _result(future: Any, deadline: Deadline, what: str) -> Any:
+    """Waits for ``future`` until ``deadline``; a timeout raises `StoreTimeoutError` on ``what``.
+
+    Other errors pass through unchanged.
+    """
+    try:
+        return future.result(timeout=deadline.left())
+    except TimeoutError as err:
+        if isinstance(err, StoreError):
+            raise
+        cancel = getattr(future, "cancel", None)
+        if cancel is not None:
+            cancel()
+        raise StoreTimeoutError(
+            f"{what}: no answer within {deadline.seconds} s; the store may be unreachable or "
+            "stopped. Check the server or network, or raise the timeout (open_store(timeout=) "
+            "or TieredCache(l3_timeout=))"
+        ) from None
 
 
 class StoreFuture:
@@ -77,6 +122,30 @@ class ChunkFuture(StoreFuture):
     """A chunk read through TensorStore's array driver; ``result()`` is the block's array."""
 
     __slots__ = ()
+
+
+class VerifiedChunkFuture(StoreFuture):
+    """A chunk read through TensorStore, checked against the store's chunk manifest."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, future: Any, entry: _Entry, store: str) -> None:
+        super().__init__(future, entry.info.key, store, entry.where)
+        self._entry = entry
+
+    def _value(self, raw: Any, timeout: float | None) -> np.ndarray:
+        from cacheflow_jax._manifest import chunk_crc32c
+
+        entry = self._entry
+        got = chunk_crc32c(raw, entry.chunk_shape)
+        if got != entry.crc:
+            raise CorruptBlockError(
+                f"block {self._key!r} in store {self._store} is corrupt ({self._where}): "
+                f"DATA_LOSS: its bytes have crc32c 0x{got:08x}, but the store's chunk manifest "
+                f"records 0x{entry.crc:08x} for this chunk (a chunk file swapped or replaced by "
+                f"another). {HOW_TO_REPAIR}."
+            )
+        return raw
 
 
 class FastChunkFuture(StoreFuture):
@@ -155,12 +224,35 @@ class ReadyFuture(StoreFuture):
         fn(self)
 
 
-def _wait_all(futures: Iterable[Any], what: str) -> list[Any]:
-    """Waits for every future (all issued already) and raises StoreError on the first error."""
+def _wait_all(futures: Iterable[Any], what: str, deadline: Deadline | None = None) -> list[Any]:
+    """Waits for every future (all issued already) and raises StoreError on the first error.
+
+    With a ``deadline``, a future still pending at the deadline raises `StoreTimeoutError`.
+    """
+    deadline = deadline or Deadline(None)
     out = []
     for f in futures:
         try:
-            out.append(f.result())
+            out.append(_result(f, deadline, what))
+        except StoreError:
+            raise
         except Exception as err:
             raise StoreError(f"{what}: {err}") from err
     return out
+
+
+_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}  # name -> (pid that made it, pool)
+_POOLS_LOCK = threading.Lock()
+
+
+def _thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's thread pool called ``name`` (made on first use, and again after a fork,
+    whose copy of a pool has no threads)."""
+    entry = _POOLS.get(name)
+    if entry is None or entry[0] != os.getpid():
+        with _POOLS_LOCK:
+            entry = _POOLS.get(name)
+            if entry is None or entry[0] != os.getpid():
+                pool = ThreadPoolExecutor(workers, thread_name_prefix=f"cacheflow-{name}")
+                entry = _POOLS[name] = (os.getpid(), pool)
+    return entry[1]

@@ -18,6 +18,7 @@ from typing import Any
 import tensorstore as ts
 
 from cacheflow_jax._blocks import StoreError
+from cacheflow_jax._futures import Deadline, _result
 
 # One context for every store in the process.
 # * cache_pool 0: the cache's L2 tier is the host cache; a TensorStore chunk cache would hold a
@@ -37,6 +38,33 @@ _CONTEXT_SPEC: dict[str, Any] = {
     "file_io_concurrency": {"limit": max(32, 8 * (os.cpu_count() or 2))},
 }
 _CONTEXT = ts.Context(_CONTEXT_SPEC)
+
+# L3 operations have deadlines (see TieredCache(l3_timeout=) and open_store(timeout=)). Object
+# stores also retry failed requests; TensorStore's default is 32 retries with backoff, about 11
+# minutes against a dead endpoint, far past any deadline. A store's context bounds them.
+DEFAULT_TIMEOUT = 60.0  # seconds for one L3 operation (an open, a block read, a write-back)
+DEFAULT_RETRIES = 3  # retries of one failed object-store request, 0.1 s to 2 s apart
+_CONTEXTS: dict[int, ts.Context] = {}
+
+
+def store_context(retries: int) -> ts.Context:
+    """The TensorStore context of stores that retry failed S3/GCS requests ``retries`` times.
+
+    A child of ``_CONTEXT``: it shares the cache pools, the concurrency limits and the memory
+    kvstore, and overrides only the retry policy.
+    """
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries={retries!r} must be an integer >= 0")
+    context = _CONTEXTS.get(retries)
+    if context is None:
+        policy = {"max_retries": max(1, retries), "initial_delay": "100ms", "max_delay": "2s"}
+        context = _CONTEXTS.setdefault(
+            retries,
+            ts.Context(
+                {"s3_request_retries": policy, "gcs_request_retries": policy}, parent=_CONTEXT
+            ),
+        )
+    return context
 
 
 def _join(kv: Mapping[str, Any], sub: str) -> dict[str, Any]:
@@ -125,17 +153,29 @@ def _location(label: str, name: str) -> str:
     return f"file {label.rstrip('/')}/{name}"
 
 
-
-def _list(kv: ts.KvStore, label: str) -> list[str]:
+def _list(kv: ts.KvStore, label: str, deadline: Deadline | None = None) -> list[str]:
+    """Every key under ``kv``, sorted; StoreError (or StoreTimeoutError past ``deadline``)."""
     try:
-        return sorted(k.decode() for k in kv.list().result())
+        keys = _result(kv.list(), deadline or Deadline(None), f"listing store {label}")
+    except StoreError:
+        raise
     except Exception as err:
         raise StoreError(f"cannot list store {label}: {err}") from err
+    return sorted(k.decode() for k in keys)
 
 
-def _open_kvstore(kv_spec: Mapping[str, Any], label: str) -> ts.KvStore:
+def _open_kvstore(
+    kv_spec: Mapping[str, Any],
+    label: str,
+    *,
+    context: ts.Context | None = None,
+    deadline: Deadline | None = None,
+) -> ts.KvStore:
+    """Opens a kvstore in ``context`` (default: the process's); StoreError naming ``label``."""
     try:
-        return ts.KvStore.open(dict(kv_spec), context=_CONTEXT).result()
+        future = ts.KvStore.open(dict(kv_spec), context=context or _CONTEXT)
+        return _result(future, deadline or Deadline(None), f"opening store {label}")
+    except StoreError:
+        raise
     except Exception as err:
         raise StoreError(f"cannot open store {label} ({dict(kv_spec)}): {err}") from err
-

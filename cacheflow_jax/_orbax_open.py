@@ -16,10 +16,11 @@ import numpy as np
 import tensorstore as ts
 
 from cacheflow_jax._blocks import ArrayInfo, KeyKind, StoreError
-from cacheflow_jax._futures import _wait_all
-from cacheflow_jax._locations import _CONTEXT, _join, _list, _location, _open_kvstore
+from cacheflow_jax._futures import Deadline, _result, _wait_all
+from cacheflow_jax._locations import _join, _list, _location, _open_kvstore
 
 ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt")
+
 
 def _orbax_chunk_where(item: str, leaf: str, use_ocdbt: bool) -> Callable[[tuple[int, ...]], str]:
     """Names where an orbax chunk lives (for error messages)."""
@@ -34,24 +35,52 @@ def _orbax_chunk_where(item: str, leaf: str, use_ocdbt: bool) -> Callable[[tuple
     return where
 
 
+# Value types of orbax's _METADATA that are not arrays: they restore as empty nodes or None.
+_EMPTY_VALUES: dict[str, Any] = {"Dict": {}, "List": [], "Tuple": [], "None": None}
+
 
 def _open_orbax(
-    kv: ts.KvStore, kv_spec: Mapping[str, Any], label: str, item: str, keys: Sequence[str]
+    kv: ts.KvStore,
+    kv_spec: Mapping[str, Any],
+    label: str,
+    item: str,
+    keys: Sequence[str],
+    *,
+    context: ts.Context,
+    deadline: Deadline,
 ) -> dict[str, Any]:
-    """Opens an orbax checkpoint item (at ``item``, '' or 'sub/') in place."""
+    """Opens an orbax checkpoint item (at ``item``, '' or 'sub/') in place.
+
+    A leaf that ``_METADATA`` lists as an array must be found, and, where the checkpoint records
+    that every chunk was stored (``store_array_data_equal_to_fill_value``, orbax's default), a
+    missing chunk is an error rather than the fill value.
+    """
     item_label = f"{label.rstrip('/')}/{item}".rstrip("/")
     item_spec = _join(kv_spec, item)
     metadata: dict[str, Any] = {}
     if item + "_METADATA" in keys:
+        what = f"reading orbax metadata {item_label}/_METADATA"
         try:
-            metadata = json.loads(kv.read(item + "_METADATA").result().value)
+            metadata = json.loads(_result(kv.read(item + "_METADATA"), deadline, what).value)
+            if not isinstance(metadata, dict):
+                raise ValueError(f"expected a JSON object, got {type(metadata).__name__}")
+        except StoreError:
+            raise
         except Exception as err:
             raise StoreError(f"cannot read orbax metadata {item_label}/_METADATA: {err}") from err
     use_ocdbt = metadata.get("use_ocdbt", item + "manifest.ocdbt" in keys)
+    every_chunk = bool(metadata.get("store_array_data_equal_to_fill_value", False))
     driver = "zarr3" if metadata.get("use_zarr3", False) else "zarr"
     if use_ocdbt:
+        if item + "manifest.ocdbt" not in keys:
+            raise StoreError(
+                f"orbax checkpoint {item_label} uses OCDBT but its manifest "
+                f"{item_label}/manifest.ocdbt is missing, so none of its arrays can be found; "
+                "the checkpoint is damaged: restore it from a copy or save it again"
+            )
         leaf_kv = {"driver": "ocdbt", "base": item_spec, "cache_pool": "cache_pool#ocdbt"}
-        leaf_keys = _list(_open_kvstore(leaf_kv, item_label), item_label)
+        leaf_store = _open_kvstore(leaf_kv, item_label, context=context, deadline=deadline)
+        leaf_keys = _list(leaf_store, item_label, deadline)
     else:
         leaf_kv = item_spec
         leaf_keys = [k[len(item) :] for k in keys if k.startswith(item)]
@@ -71,12 +100,19 @@ def _open_orbax(
         names = [str(m["key"]) for m in entry.get("key_metadata", ())]
         vmeta = entry.get("value_metadata", {})
         name = ".".join(names)
+        value_type = vmeta.get("value_type")
         if name in leaves and not vmeta.get("skip_deserialize", False):
             path = "/".join(names) or name
             tree_paths[path], leaf_of[path] = kp, name
-            value_types[path] = str(vmeta.get("value_type", ""))
+            value_types[path] = str(value_type or "")
+        elif value_type in _EMPTY_VALUES or vmeta.get("skip_deserialize", False):
+            empty_nodes[kp] = _EMPTY_VALUES.get(value_type)
         else:
-            empty_nodes[kp] = {"Dict": {}, "List": [], "Tuple": []}.get(vmeta.get("value_type"))
+            raise StoreError(
+                f"orbax checkpoint {item_label} lists leaf {name!r} ({value_type}) in its "
+                f"_METADATA, but its array is not in the checkpoint; the checkpoint is damaged "
+                "or incomplete: restore it from a copy or save it again"
+            )
     for name in sorted(leaves - set(leaf_of.values())):
         # A leaf without metadata (an older checkpoint): name its path from the leaf name.
         path = name.replace(".", "/")
@@ -85,15 +121,18 @@ def _open_orbax(
     paths = sorted(tree_paths)
     futures = [
         ts.open(
-            {"driver": driver, "kvstore": _join(leaf_kv, leaf_of[p] + "/")},
-            context=_CONTEXT,
+            {
+                "driver": driver,
+                "kvstore": _join(leaf_kv, leaf_of[p] + "/"),
+                "fill_missing_data_reads": not every_chunk,
+            },
+            context=context,
             read=True,
         )
         for p in paths
     ]
-    handles = dict(
-        zip(paths, _wait_all(futures, f"opening arrays of checkpoint {item_label}"), strict=True)
-    )
+    what = f"opening arrays of checkpoint {item_label}"
+    handles = dict(zip(paths, _wait_all(futures, what, deadline), strict=True))
     arrays = {
         p: ArrayInfo(
             path=p,
@@ -113,4 +152,3 @@ def _open_orbax(
         "value_types": value_types,
         "source": "orbax",
     }
-

@@ -6,8 +6,11 @@ in the store's root (see ``_RUNTIME_FORMAT``), found again on open by listing th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
+import tempfile
 import urllib.parse
 import zlib
 
@@ -97,3 +100,109 @@ def _decode_runtime(data: bytes, key: str, store: str, where: str) -> np.ndarray
             f"mismatch. {HOW_TO_REPAIR}."
         )
     return np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
+
+
+# A runtime block's file name is its percent-encoded key plus ``.block``; file systems allow 255
+# bytes per name, so longer keys are refused at ``put`` instead of failing at every write-back.
+MAX_RUNTIME_NAME = 240
+
+
+def check_runtime_key(key: object, store: str = "") -> str:
+    """Checks that ``key`` can name a runtime block; returns it.
+
+    Raises:
+      TypeError: ``key`` is not a str.
+      ValueError: ``key`` is empty, contains ``@`` (chunk keys are read-only), is not valid
+        UTF-8 (a lone surrogate), or is longer than a file name allows once percent-encoded.
+    """
+    where = f" in store {store}" if store else ""
+    if not isinstance(key, str):
+        raise TypeError(f"block keys are str; got {type(key).__name__} {key!r}")
+    if not key:
+        raise ValueError(f"cannot store a runtime block{where} under the empty key ''")
+    if "@" in key:
+        raise ValueError(
+            f"cannot put {key!r}{where}: keys with '@' name chunks of stored arrays, which are "
+            "read-only; use a key without it for runtime blocks"
+        )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"runtime block key {key!r} is not valid UTF-8 ({err.reason} at position "
+            f"{err.start}); use a key of printable characters"
+        ) from None
+    name = urllib.parse.quote(key, safe="-_~")
+    if len(name) > MAX_RUNTIME_NAME:
+        raise ValueError(
+            f"runtime block key {key[:40]!r}... is too long: {len(name)} bytes once "
+            f"percent-encoded, more than {MAX_RUNTIME_NAME}; use a shorter key, e.g. a hash "
+            "of the prefix"
+        )
+    return key
+
+
+# Temporary files of atomic writes are ``.<writer's pid>-<random>.partial`` beside the blocks: the
+# suffix keeps listings from mistaking one for a block, the pid lets a later open remove the
+# ones whose writer died.
+_TMP_SUFFIX = ".partial"
+
+
+def _atomic_write_file(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that a crash leaves the old file or the new one, whole.
+
+    The bytes go to a temporary file beside it, which is synced and then renamed over ``path``;
+    the directory is synced too, so the rename itself survives a power loss.
+
+    Raises:
+      OSError: the write failed (for example a full disk); the temporary file is removed.
+    """
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.getpid()}-", suffix=_TMP_SUFFIX)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_stale_temporaries(runtime_dir: str) -> int:
+    """Removes temporary files left by writers that died (their pid is gone); returns how many."""
+    try:
+        names = os.listdir(runtime_dir)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        if not (name.startswith(".") and name.endswith(_TMP_SUFFIX)):
+            continue
+        pid = name[1:].partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(runtime_dir, name))
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
