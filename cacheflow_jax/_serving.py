@@ -36,15 +36,20 @@ class ServingSession:
             self.get_many = cache.get_many  # type: ignore[method-assign]
 
     def get(self, key: str, req: str | None = None) -> jax.Array:
-        """Returns block ``key`` on the device (see `TieredCache.get`) and logs the access."""
+        """Returns block ``key`` on the device (see `TieredCache.get`) and logs the access.
+
+        Only accesses that succeeded are logged: a bad key raises and leaves no record.
+        """
+        value = self.cache.get(key)
         self._log.record(key, req)
-        return self.cache.get(key)
+        return value
 
     def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
         """Returns several blocks, reading all misses from L3 in parallel."""
         keys = list(keys)
+        values = self.cache.get_many(keys)
         self._log.record_many(keys, req)
-        return self.cache.get_many(keys)
+        return values
 
     def put(self, key: str, array: Any, *, kind: str = "kv", req: str | None = None) -> None:
         """Stores a runtime block (e.g. a KV block); written back to L3 when it leaves."""
@@ -64,7 +69,9 @@ def serving(
     """Serves blocks from ``cache`` for the duration of a ``with`` block.
 
     On exit, even when the body raises, pending write-backs are finished (dirty runtime blocks
-    reach L3) and the access log is flushed and closed.
+    reach L3) and the access log is flushed and closed. If the body raised, its exception is the
+    one that propagates; an error while finishing is attached to it as a note. Otherwise the
+    first such error is raised.
 
     Args:
       cache: the `TieredCache` to serve from.
@@ -83,9 +90,27 @@ def serving(
     session = ServingSession(cache, log)
     try:
         yield session
-    finally:
+    except BaseException as body_error:
+        for err in _finish(cache, log):
+            body_error.add_note(f"while leaving serving(): {type(err).__name__}: {err}")
+        raise
+    errors = _finish(cache, log)
+    if errors:
+        for err in errors[1:]:
+            errors[0].add_note(f"also while leaving serving(): {type(err).__name__}: {err}")
+        raise errors[0]
+
+
+def _finish(cache: TieredCache, log: AccessLogWriter | None) -> list[Exception]:
+    """Flushes write-backs and closes the log, both always; returns their errors."""
+    errors: list[Exception] = []
+    try:
+        cache.flush()
+    except Exception as err:
+        errors.append(err)
+    if log is not None:
         try:
-            cache.flush()
-        finally:
-            if log is not None:
-                log.close()
+            log.close()
+        except Exception as err:
+            errors.append(err)
+    return errors
