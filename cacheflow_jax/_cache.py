@@ -930,7 +930,12 @@ def _as_block(key: str, array: Any) -> Any:
     """``array`` as a numeric numpy or JAX array that the device holds exactly, else an error."""
     if not isinstance(array, jax.Array | np.ndarray):
         try:
+            typed = isinstance(array, np.generic)  # a numpy scalar has a dtype of its own
             array = np.asarray(array)
+            if not typed and array.dtype.kind in "biufc":
+                # Python numbers and lists have no dtype of their own; like jnp.asarray, give
+                # them JAX's default one (int32/float32 while jax_enable_x64 is off).
+                array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
         except Exception as err:
             raise TypeError(
                 f"cannot put {key!r}: a {type(array).__name__} is not an array ({err}); put a "
