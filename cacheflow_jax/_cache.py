@@ -820,8 +820,9 @@ class TieredCache:
     def flush(self, *, timeout: float | None = None) -> None:
         """Writes every dirty runtime block to L3 and waits until all writes are durable.
 
-        Resident blocks stay resident (now clean). Raises the first write error; blocks whose
-        write failed stay in memory and are retried by the next flush.
+        Resident blocks stay resident (now clean). A write that fails is retried once within
+        the same call; if it fails again, the first error is raised, and the block stays in
+        memory for the next flush.
 
         Args:
           timeout: seconds to wait; by default the cache's ``l3_timeout``.
@@ -830,9 +831,20 @@ class TieredCache:
           StoreError: a write-back failed (the block stays in memory).
           TimeoutError: write-backs were still pending after ``timeout``.
         """
-        self._write_resident()
-        self._start_writes()
-        self.wait_until_finished(timeout=self._l3_timeout if timeout is None else timeout)
+        timeout = self._l3_timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in (1, 2):
+            self._write_resident()
+            self._start_writes()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self.wait_until_finished(timeout=left)
+                return
+            except StoreError:
+                # A write that started before the store recovered (space freed, server back)
+                # failed; the block is still in memory. Retry each such write once.
+                if attempt == 2 or (deadline is not None and time.monotonic() >= deadline):
+                    raise
 
     def _write_resident(self) -> None:
         """Starts writes of the dirty runtime blocks in L1/L2 (they stay resident, then clean)."""
