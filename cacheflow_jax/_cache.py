@@ -34,7 +34,8 @@ import numpy as np
 
 from cacheflow_jax._blocks import KEY_SEPARATOR, BlockInfo, BudgetError, Store
 from cacheflow_jax._policy import Policy, admit_all, get_policy
-from cacheflow_jax._tiers import PRESENT, AbstractTier, DeviceTier, HostTier
+from cacheflow_jax._slab import make_device_tier
+from cacheflow_jax._tiers import PRESENT, AbstractTier, HostTier
 
 DEVICE, HOST = 0, 1
 
@@ -96,9 +97,15 @@ class TieredCache:
       device: the L1 device; the default device if omitted.
       tiers: advanced: replace the L1/L2 tier objects (replay uses metadata-only tiers).
       read_buffer: how many buffered hits trigger a policy update (1 applies each at once).
+      device_layout: ``"arrays"`` (one ``jax.Array`` per L1 block, the default) or ``"slab"``
+        (one preallocated slab of fixed-size lines filled and read by the Pallas kernels; see
+        `cacheflow_jax._slab`).
+      line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
+        power of two dividing the largest block, at most 64 KiB.
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
+      ValueError: an unknown ``device_layout``.
 
     >>> import cacheflow_jax as cfj, numpy as np
     >>> store = cfj.write_store({"w": np.arange(8.0)}, "memory://doc-cache/", chunk_bytes=32)
@@ -119,9 +126,15 @@ class TieredCache:
         device: jax.Device | None = None,
         tiers: Sequence[AbstractTier] | None = None,
         read_buffer: int = 64,
+        device_layout: str = "arrays",
+        line_bytes: int | None = None,
     ) -> None:
         if tiers is None:
-            tiers = [DeviceTier(device_bytes, device=device), HostTier(host_bytes)]
+            tiers = [
+                make_device_tier(device_layout, device_bytes, largest_block=_largest_block(store),
+                                 line_bytes=line_bytes, device=device),
+                HostTier(host_bytes),
+            ]
         self._tiers = list(tiers)
         largest = _largest_block(store)
         for tier, setting in zip(self._tiers, ("device_bytes", "host_bytes")):
