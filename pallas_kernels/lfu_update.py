@@ -88,7 +88,7 @@ def _lfu_update_pallas(counters, ids, *, decay: float, interpret: bool):
     shift = _check(counters, ids, decay)
     ids = ids.reshape(-1).astype(jnp.int32)
     ids_block = min(MAX_IDS_BLOCK, pl.next_power_of_2(max(ids.shape[0], 1)))
-    padded = pl.cdiv(ids.shape[0], ids_block) * ids_block
+    padded = max(1, pl.cdiv(ids.shape[0], ids_block)) * ids_block  # at least one block
     ids = jnp.pad(ids, (0, padded - ids.shape[0]), constant_values=-1)
     block = pow2_divisor(counters.shape[0], MAX_BLOCK)
     return pl.pallas_call(
