@@ -1,8 +1,13 @@
 """``lfu_update``: add a batch of accesses to per-key counters and age them, on the device.
 
-``counters[k] <- age(counters[k]) + (number of times k occurs in ids)``, where aging multiplies
-by ``decay`` (float counters) or shifts right (integer counters, ``decay`` a power of 1/2, so
-that halving on a period stays exact). A repeated id counts each time.
+With ``n_k`` the number of times key ``k`` occurs in ``ids`` (a repeated id counts each time):
+
+* float32 counters: ``counters[k] <- (counters[k] + n_k) * decay``. Adding before aging keeps
+  the result exact on every backend: ``c * decay + n`` may be fused into one FMA by one compiler
+  (XLA's CPU fusions do) and not by another, and then the kernel and the reference differ in the
+  last bit.
+* integer counters: ``counters[k] <- (counters[k] >> s) + n_k`` with ``decay = 2**-s``: halving on
+  a period, exact.
 
 The kernel uses no atomics (they are Triton-only and order-dependent): each program owns a block
 of counters and counts the ids that fall in it, scanning the ids in blocks. Cost:
@@ -46,15 +51,16 @@ def lfu_update_kernel(
 
     steps = ids_ref.shape[0] // ids_block
     counts = jax.lax.fori_loop(0, steps, count, jnp.zeros((block,), jnp.int32))
-    counters_ref[...] = _age(counters_in_ref[...], decay, shift) + counts.astype(
-        counters_ref.dtype
-    )
+    counters_ref[...] = _update(counters_in_ref[...], counts, decay, shift)
 
 
-def _age(counters, decay: float, shift: int):
+def _update(counters, counts, decay: float, shift: int):
+    """Ages ``counters`` and adds ``counts`` (int32), in the order the module docstring gives."""
     if jnp.issubdtype(counters.dtype, jnp.floating):
-        return counters if decay == 1.0 else counters * jnp.asarray(decay, counters.dtype)
-    return counters if shift == 0 else counters >> shift
+        added = counters + counts.astype(counters.dtype)
+        return added if decay == 1.0 else added * jnp.asarray(decay, counters.dtype)
+    aged = counters if shift == 0 else counters >> shift
+    return aged + counts.astype(counters.dtype)
 
 
 def _shift_of(counters_dtype, decay: float) -> int:
@@ -113,7 +119,7 @@ def lfu_update_reference(counters: jax.Array, ids: jax.Array, *, decay: float) -
     n = counters.shape[0]
     inside = (ids >= 0) & (ids < n)
     counts = jnp.zeros((n,), jnp.int32).at[jnp.where(inside, ids, n)].add(1, mode="drop")
-    return _age(counters, decay, shift) + counts.astype(counters.dtype)
+    return _update(counters, counts, decay, shift)
 
 
 @functools.partial(
@@ -143,8 +149,8 @@ def lfu_update(
       counters: ``(num_keys,)`` float32, int32 or uint32. Sizes with a factor of 256 run
         fastest in the kernel (one program per 256 counters).
       ids: integer array of any shape; ids outside ``[0, num_keys)`` are ignored.
-      decay: aging factor in (0, 1] applied before adding: float counters are multiplied by it,
-        integer counters shifted right (it must then be 1, 1/2, 1/4, ...).
+      decay: aging factor in (0, 1]: float counters are multiplied by it after the batch is
+        added, integer counters shifted right before (it must then be 1, 1/2, 1/4, ...).
       implementation: ``"auto"`` (the Pallas kernel on GPU, XLA elsewhere), ``"pallas"`` or
         ``"xla"``.
       interpret: run the Pallas kernel in interpret mode (any backend; for tests).
