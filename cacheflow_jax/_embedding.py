@@ -256,17 +256,16 @@ class EmbeddingRows:
     def _fetch(self, rows: np.ndarray) -> np.ndarray:
         """Rows (sorted, distinct) read from L2/L3 in one batch of whole chunks."""
         chunk_of = rows // self._chunk_rows
-        chunks = np.unique(chunk_of)
+        chunks, starts = np.unique(chunk_of, return_index=True)  # sorted rows: chunks in runs
         keys = [block_key(self.table, (int(c), *idx)) for c in chunks for idx, _ in self._rest]
         values = iter(self._cache.get_host_many(keys))
         out = np.empty((rows.size, *self.row_shape), self.dtype)
-        for c in chunks:
-            sel = np.nonzero(chunk_of == c)[0]
-            local = rows[sel] - int(c) * self._chunk_rows
+        for c, lo, hi in zip(chunks, starts, [*starts[1:], rows.size]):
+            local = rows[lo:hi] - int(c) * self._chunk_rows
             for _, origin in self._rest:
                 value = np.asarray(next(values))
                 region = tuple(slice(o, o + s) for o, s in zip(origin, value.shape[1:]))
-                out[(sel, *region)] = value[local]
+                out[(slice(lo, hi), *region)] = value[local]
         return out
 
     # ----------------------------------------------------------------------------- promotion
