@@ -59,10 +59,12 @@ def _ids(rng: np.random.Generator, rows: int, batch: int, count: int, zipf: floa
     ]
 
 
-def _serve_lookups(store, layout: str, ids: list, *, warmup: int, device_bytes: int,
-                   host_bytes: int) -> tuple[list[float], dict]:
-    cache = TieredCache(store, device_bytes=device_bytes, host_bytes=host_bytes,
-                        device_layout=layout)
+def _serve_lookups(
+    store, layout: str, ids: list, *, warmup: int, device_bytes: int, host_bytes: int
+) -> tuple[list[float], dict]:
+    cache = TieredCache(
+        store, device_bytes=device_bytes, host_bytes=host_bytes, device_layout=layout
+    )
     latencies = []
     with serving(cache, embedding_bytes=device_bytes // 2) as s:
         for i, batch in enumerate(ids):
@@ -94,12 +96,18 @@ def embedding_part(args, report: Report) -> None:
     rng = np.random.default_rng(args.seed)
     table = rng.standard_normal((args.rows, args.dim)).astype(np.float32)
     rows_per_chunk = max(1, (64 << 10) // (args.dim * 4))  # 64 KiB chunks
-    store = write_store({"emb": table}, f"memory://bench-embedding-{time.time_ns()}/",
-                        chunk_bytes=rows_per_chunk * args.dim * 4)
+    store = write_store(
+        {"emb": table},
+        f"memory://bench-embedding-{time.time_ns()}/",
+        chunk_bytes=rows_per_chunk * args.dim * 4,
+    )
     device_bytes = table.nbytes // 8
     ids = _ids(rng, args.rows, args.batch, args.warmup_lookups + args.lookups, args.zipf)
-    ratio, per_variant, stats = [], {v: {"mean": [], "p95": []} for v in
-                                     (*LAYOUTS, "all-resident")}, {}
+    ratio, per_variant, stats = (
+        [],
+        {v: {"mean": [], "p95": []} for v in (*LAYOUTS, "all-resident")},
+        {},
+    )
     for run in range(args.warmup + args.runs):
         order = [*LAYOUTS, "all-resident"]
         random.Random(run).shuffle(order)
@@ -109,7 +117,11 @@ def embedding_part(args, report: Report) -> None:
                 lat = _resident_lookups(table, ids, warmup=args.warmup_lookups)
             else:
                 lat, stats[variant] = _serve_lookups(
-                    store, variant, ids, warmup=args.warmup_lookups, device_bytes=device_bytes,
+                    store,
+                    variant,
+                    ids,
+                    warmup=args.warmup_lookups,
+                    device_bytes=device_bytes,
                     host_bytes=table.nbytes,
                 )
             means[variant] = statistics.fmean(lat)
@@ -122,8 +134,14 @@ def embedding_part(args, report: Report) -> None:
     for variant, d in per_variant.items():
         m, p = summarize(d["mean"], better="low"), summarize(d["p95"], better="low")
         hit = stats.get(variant, {}).get("device_hit_ratio")
-        rows.append([variant, f"{m['median'] * 1e6:,.0f}", f"{p['median'] * 1e6:,.0f}",
-                     "" if hit is None else f"{hit:.3f}"])
+        rows.append(
+            [
+                variant,
+                f"{m['median'] * 1e6:,.0f}",
+                f"{p['median'] * 1e6:,.0f}",
+                "" if hit is None else f"{hit:.3f}",
+            ]
+        )
         report.results[f"lookup_{variant}"] = {"mean_s": m, "p95_s": p, "stats": stats.get(variant)}
     r = summarize(ratio, better="high")
     report.results["lookup_ratio_arrays_over_slab"] = r
@@ -142,8 +160,11 @@ def embedding_part(args, report: Report) -> None:
     same = stats["slab"]["rows_device"] == stats["arrays"]["rows_device"]
     report.notes.append(
         "both layouts served the same rows from the device: "
-        + ("yes" if same else f"NO ({stats['slab']['rows_device']} vs "
-           f"{stats['arrays']['rows_device']})")
+        + (
+            "yes"
+            if same
+            else f"NO ({stats['slab']['rows_device']} vs {stats['arrays']['rows_device']})"
+        )
     )
 
 
@@ -164,11 +185,14 @@ def demo_part(args, report: Report) -> None:
     config = settings.model_config()
     step_dir, _ = prepare_checkpoint(config, default_workdir(), seed=settings.seed)
     steps = settings.warmup + settings.requests
-    routes = request_stream(config, steps, top_k=settings.top_k, zipf=settings.zipf,
-                            seed=settings.seed)
+    routes = request_stream(
+        config, steps, top_k=settings.top_k, zipf=settings.zipf, seed=settings.seed
+    )
     inputs_rng = np.random.default_rng([settings.seed, 2])
-    inputs = [jax.device_put(inputs_rng.standard_normal((settings.tokens, config.d_model),
-                                                        np.float32)) for _ in range(steps)]
+    inputs = [
+        jax.device_put(inputs_rng.standard_normal((settings.tokens, config.d_model), np.float32))
+        for _ in range(steps)
+    ]
     device_bytes, host_bytes = config.weight_bytes // 6, config.weight_bytes // 3
     p95 = {layout: [] for layout in LAYOUTS}
     hits: dict[str, Any] = {}
@@ -178,14 +202,24 @@ def demo_part(args, report: Report) -> None:
         random.Random(1000 + run).shuffle(order)
         this = {}
         for layout in order:
-            cache = TieredCache(open_store(step_dir), device_bytes=device_bytes,
-                                host_bytes=host_bytes, device_layout=layout)
+            cache = TieredCache(
+                open_store(step_dir),
+                device_bytes=device_bytes,
+                host_bytes=host_bytes,
+                device_layout=layout,
+            )
             plan = _plan(restore_lazy(step_dir, cache=cache), routes, settings.top_k)
             drop_page_cache(step_dir)
             with serving(cache) as session:
-                lat, _ = _run_pass(plan, inputs, session.get_many, warmup=settings.warmup,
-                                   top_k=settings.top_k, on_measure=lambda: None,
-                                   tick=lambda: None)
+                lat, _ = _run_pass(
+                    plan,
+                    inputs,
+                    session.get_many,
+                    warmup=settings.warmup,
+                    top_k=settings.top_k,
+                    on_measure=lambda: None,
+                    tick=lambda: None,
+                )
             this[layout] = _p95(lat)
             stats = cache.stats()
             hits[layout] = stats["hits"]["device"] / max(stats["requests"], 1)
@@ -223,10 +257,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-demo", action="store_true", help="skip part 2 (the demo)")
     args = p.parse_args(argv)
     check_runs(args)
-    report = Report(NAME, "device slab against one array per block", {
-        k: getattr(args, k) for k in ("runs", "warmup", "rows", "dim", "batch", "lookups",
-                                      "warmup_lookups", "zipf", "seed", "demo_requests")
-    })
+    report = Report(
+        NAME,
+        "device slab against one array per block",
+        {
+            k: getattr(args, k)
+            for k in (
+                "runs",
+                "warmup",
+                "rows",
+                "dim",
+                "batch",
+                "lookups",
+                "warmup_lookups",
+                "zipf",
+                "seed",
+                "demo_requests",
+            )
+        },
+    )
     embedding_part(args, report)
     if not args.no_demo:
         demo_part(args, report)

@@ -75,7 +75,8 @@ def _cases(small: bool, rng: np.random.Generator) -> list[dict]:
             "moved": 2 * line_bytes,
             "inputs": lambda: (jnp.asarray(slab), jnp.asarray(rows), jnp.asarray(slots)),
             "call": lambda impl, interp: functools.partial(
-                pk.pack_lines, implementation=impl, interpret=interp),
+                pk.pack_lines, implementation=impl, interpret=interp
+            ),
             "step": lambda op: lambda s: (op(*s), *s[1:]),
             "reference": pk.pack_lines_reference,
         },
@@ -84,7 +85,8 @@ def _cases(small: bool, rng: np.random.Generator) -> list[dict]:
             "moved": 2 * line_bytes,
             "inputs": lambda: (jnp.asarray(slab), jnp.asarray(gather_slots)),
             "call": lambda impl, interp: functools.partial(
-                pk.gather_lines, implementation=impl, interpret=interp),
+                pk.gather_lines, implementation=impl, interpret=interp
+            ),
             "step": lambda op: lambda s: (s[0], s[1], op(s[0], s[1])),
             "reference": pk.gather_lines_reference,
         },
@@ -93,7 +95,8 @@ def _cases(small: bool, rng: np.random.Generator) -> list[dict]:
             "moved": 2 * keys * 4 + ids * 4,
             "inputs": lambda: (jnp.asarray(counters), jnp.asarray(ids_)),
             "call": lambda impl, interp: functools.partial(
-                pk.lfu_update, decay=0.5 ** (1 / 64), implementation=impl, interpret=interp),
+                pk.lfu_update, decay=0.5 ** (1 / 64), implementation=impl, interpret=interp
+            ),
             "step": lambda op: lambda s: (op(*s), *s[1:]),
             "reference": functools.partial(pk.lfu_update_reference, decay=0.5 ** (1 / 64)),
         },
@@ -103,7 +106,9 @@ def _cases(small: bool, rng: np.random.Generator) -> list[dict]:
 def _h2d(runs: int, iters_blocks: int = 16, block_mib: int = 4) -> dict:
     """GB/s of the slab's host -> device block path and of a bare ``jax.device_put``."""
     n = block_mib << 20
-    host = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i in range(iters_blocks)]
+    host = [
+        np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i in range(iters_blocks)
+    ]
     device = jax.devices()[0]
     tier = SlabTier(n * iters_blocks, line_bytes=64 << 10, device=device)
     keys = [f"b{i}" for i in range(iters_blocks)]
@@ -142,10 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     small, interpret = args.small or not on_gpu, not on_gpu
     seed = time.time_ns() % 2**32
     rng = np.random.default_rng(seed)
-    report = Report(NAME, "Pallas kernels: check and bandwidth", {
-        "runs": args.runs, "iters": args.iters, "small": small, "interpret": interpret,
-        "seed": seed, "backend": jax.default_backend(),
-    })
+    report = Report(
+        NAME,
+        "Pallas kernels: check and bandwidth",
+        {
+            "runs": args.runs,
+            "iters": args.iters,
+            "small": small,
+            "interpret": interpret,
+            "seed": seed,
+            "backend": jax.default_backend(),
+        },
+    )
     copy = jax.jit(jnp.copy)
     rows = []
     for case in _cases(small, rng):
@@ -161,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         half = jnp.zeros(case["moved"] // 8, jnp.uint32)
         samples = {"pallas": [], "xla": [], "copy": []}
         states = {"pallas": case["inputs"](), "xla": case["inputs"](), "copy": (half,)}
-        steps = {"pallas": case["step"](pallas), "xla": case["step"](xla),
-                 "copy": lambda s: (copy(s[0]),)}
+        steps = {
+            "pallas": case["step"](pallas),
+            "xla": case["step"](xla),
+            "copy": lambda s: (copy(s[0]),),
+        }
         for run in range(args.warmup + args.runs):
             t = {}
             for variant in ("pallas", "xla", "copy"):
@@ -171,32 +187,58 @@ def main(argv: list[str] | None = None) -> int:
                 for k, v in t.items():
                     samples[k].append(case["moved"] / v / 1e9)
         stats = {k: summarize(v, better="high") for k, v in samples.items()}
-        ratio = summarize([a / c for a, c in zip(samples["pallas"], samples["copy"])],
-                          better="high")
-        report.results[case["op"]] = {"exact": exact, "xla_exact": same_xla, "gbps": stats,
-                                      "pallas_over_copy": ratio, "bytes_per_call": case["moved"]}
+        ratio = summarize(
+            [a / c for a, c in zip(samples["pallas"], samples["copy"])], better="high"
+        )
+        report.results[case["op"]] = {
+            "exact": exact,
+            "xla_exact": same_xla,
+            "gbps": stats,
+            "pallas_over_copy": ratio,
+            "bytes_per_call": case["moved"],
+        }
         for impl in ("pallas", "xla"):
-            rows.append([
-                case["op"], impl + (" (interpret)" if impl == "pallas" and interpret else ""),
-                "exact" if (exact if impl == "pallas" else same_xla) else "MISMATCH",
-                f"{stats[impl]['median']:.2f}", f"{stats[impl]['p95']:.2f}",
-                f"{stats[impl]['median'] / stats['copy']['median']:.2f}x",
-            ])
-        rows.append([case["op"], "d2d copy, same bytes", "", f"{stats['copy']['median']:.2f}",
-                     f"{stats['copy']['p95']:.2f}", "1.00x"])
+            rows.append(
+                [
+                    case["op"],
+                    impl + (" (interpret)" if impl == "pallas" and interpret else ""),
+                    "exact" if (exact if impl == "pallas" else same_xla) else "MISMATCH",
+                    f"{stats[impl]['median']:.2f}",
+                    f"{stats[impl]['p95']:.2f}",
+                    f"{stats[impl]['median'] / stats['copy']['median']:.2f}x",
+                ]
+            )
+        rows.append(
+            [
+                case["op"],
+                "d2d copy, same bytes",
+                "",
+                f"{stats['copy']['median']:.2f}",
+                f"{stats['copy']['p95']:.2f}",
+                "1.00x",
+            ]
+        )
     h2d, h2d_exact = _h2d(args.runs)
     base = summarize(h2d["jax.device_put"], better="high")
     report.results["h2d_gbps"] = {k: summarize(v, better="high") for k, v in h2d.items()}
     for name, values in h2d.items():
         s = summarize(values, better="high")
         check = "" if name == "jax.device_put" else "exact" if h2d_exact else "MISMATCH"
-        rows.append(["host->device 16 x 4 MiB", name, check,
-                     f"{s['median']:.2f}", f"{s['p95']:.2f}",
-                     f"{s['median'] / base['median']:.2f}x"])
+        rows.append(
+            [
+                "host->device 16 x 4 MiB",
+                name,
+                check,
+                f"{s['median']:.2f}",
+                f"{s['p95']:.2f}",
+                f"{s['median'] / base['median']:.2f}x",
+            ]
+        )
     report.add_table(
         "kernel, implementation, check against the reference, GB/s (median, p95), ratio to the "
         "baseline (the d2d copy for kernels, jax.device_put for transfers)",
-        ["what", "variant", "check", "GB/s", "p95", "ratio"], rows,
+        ["what", "variant", "check", "GB/s", "p95", "ratio"],
+        rows,
     )
     if not on_gpu:
         report.notes.append(
@@ -204,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             "speeds"
         )
     report.emit(args)
-    bad = [op for op, r in report.results.items() if isinstance(r, dict) and r.get("exact") is False]
+    bad = [
+        op for op, r in report.results.items() if isinstance(r, dict) and r.get("exact") is False
+    ]
     return 1 if bad or not h2d_exact else 0
 
 

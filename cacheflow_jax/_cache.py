@@ -101,7 +101,8 @@ class TieredCache:
         (one preallocated slab of fixed-size lines filled and read by the Pallas kernels; see
         `cacheflow_jax._slab`).
       line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
-        power of two dividing the largest block, at most 64 KiB.
+        power of two dividing the store's chunk sizes, within 4-64 KiB (see
+        `cacheflow_jax._slab.default_line_bytes`).
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
@@ -131,8 +132,8 @@ class TieredCache:
     ) -> None:
         if tiers is None:
             tiers = [
-                make_device_tier(device_layout, device_bytes, largest_block=_largest_block(store),
-                                 line_bytes=line_bytes, device=device),
+                make_device_tier(device_layout, device_bytes, store=store, line_bytes=line_bytes,
+                                 device=device),
                 HostTier(host_bytes),
             ]
         self._tiers = list(tiers)

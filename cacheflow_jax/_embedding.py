@@ -72,11 +72,8 @@ def _rows_to_words(rows, row_words: int, word: np.dtype):
     return jax.lax.bitcast_convert_type(raw.reshape(n, row_words, word.itemsize), word)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("unit_words", "row_shape", "dtype", "implementation")
-)
-def _gather_rows(slab, units, miss_pos, miss_rows, *, unit_words, row_shape, dtype,
-                 implementation):
+@functools.partial(jax.jit, static_argnames=("unit_words", "row_shape", "dtype", "implementation"))
+def _gather_rows(slab, units, miss_pos, miss_rows, *, unit_words, row_shape, dtype, implementation):
     """The rows at ``units`` (``(n, k)`` unit indices of the slab), misses filled in."""
     n, k = units.shape
     view = slab.reshape(-1, unit_words)  # the slab as units: a bitcast, not a copy
@@ -85,15 +82,17 @@ def _gather_rows(slab, units, miss_pos, miss_rows, *, unit_words, row_shape, dty
     return rows.at[miss_pos].set(miss_rows, mode="drop")
 
 
-@functools.partial(
-    jax.jit, static_argnames=("unit_words", "implementation"), donate_argnums=(0,)
-)
+@functools.partial(jax.jit, static_argnames=("unit_words", "implementation"), donate_argnums=(0,))
 def _pack_rows(slab, rows, units, *, unit_words, implementation):
     """Writes ``rows`` into the slab's ``units`` (``(n, k)``), in place."""
     n, k = units.shape
     words = _rows_to_words(rows, k * unit_words, np.dtype(slab.dtype))
-    view = pack_lines(slab.reshape(-1, unit_words), words.reshape(n * k, unit_words),
-                      units.reshape(-1), implementation=implementation)
+    view = pack_lines(
+        slab.reshape(-1, unit_words),
+        words.reshape(n * k, unit_words),
+        units.reshape(-1),
+        implementation=implementation,
+    )
     return view.reshape(slab.shape)
 
 
@@ -120,8 +119,9 @@ class EmbeddingRows:
       BudgetError: ``device_bytes`` holds no row, or does not fit in L1.
     """
 
-    def __init__(self, cache: Any, table: str, *, device_bytes: int, period: int,
-                 half_life: float) -> None:
+    def __init__(
+        self, cache: Any, table: str, *, device_bytes: int, period: int, half_life: float
+    ) -> None:
         arrays = cache.store.arrays()
         if table not in arrays:
             raise KeyError(
@@ -156,8 +156,9 @@ class EmbeddingRows:
         if self.capacity < 1:
             raise BudgetError(
                 f"embedding_bytes={device_bytes} holds no row of {table!r} ({self.row_bytes} "
-                "bytes per row" + (f", {tier.line_bytes}-byte lines" if self.layout == "slab"
-                                   else "") + "); raise embedding_bytes"
+                "bytes per row"
+                + (f", {tier.line_bytes}-byte lines" if self.layout == "slab" else "")
+                + "); raise embedding_bytes"
             )
         cache.reserve_device(self._reserved)
         self._arrays: list[jax.Array | None] = []
@@ -165,8 +166,9 @@ class EmbeddingRows:
             with tier.slab.lock:
                 lines = tier.slab.take(self._reserved // tier.line_bytes)
             self._lines = lines
-            units = (lines[:, None] * self._units_per_line
-                     + np.arange(self._units_per_line)[None, :]).reshape(-1)
+            units = (
+                lines[:, None] * self._units_per_line + np.arange(self._units_per_line)[None, :]
+            ).reshape(-1)
             self._units = units[: self.capacity * self._k].reshape(self.capacity, self._k)
             self._units = self._units.astype(np.int32)
         else:
@@ -177,8 +179,14 @@ class EmbeddingRows:
         self._slot_of = np.full(self.num_rows, -1, np.int64)  # row -> slot (host mirror)
         self._row_at = np.full(self.capacity, -1, np.int64)  # slot -> row
         self._lookups = 0
-        self._n = {"lookups": 0, "rows": 0, "rows_device": 0, "rows_fetched": 0,
-                   "promotions": 0, "rows_promoted": 0}
+        self._n = {
+            "lookups": 0,
+            "rows": 0,
+            "rows_device": 0,
+            "rows_fetched": 0,
+            "promotions": 0,
+            "rows_promoted": 0,
+        }
         self._closed = False
 
     def _plan_units(self, tier: SlabTier, device_bytes: int) -> None:
@@ -188,8 +196,9 @@ class EmbeddingRows:
         row_words = -(-self.row_bytes // word)
         if row_words <= line_words:
             # The smallest divisor of a line that holds a row: lines split evenly into units.
-            unit_words = next(d for d in range(max(row_words, 1), line_words + 1)
-                              if line_words % d == 0)
+            unit_words = next(
+                d for d in range(max(row_words, 1), line_words + 1) if line_words % d == 0
+            )
             self._k = 1
         else:
             unit_words = line_words
@@ -236,8 +245,13 @@ class EmbeddingRows:
             slab = self._tier.slab
             with slab.lock:
                 out = _gather_rows(
-                    slab.array, units, miss_pos, miss_rows, unit_words=self._unit_words,
-                    row_shape=self.row_shape, dtype=self.dtype,
+                    slab.array,
+                    units,
+                    miss_pos,
+                    miss_rows,
+                    unit_words=self._unit_words,
+                    row_shape=self.row_shape,
+                    dtype=self.dtype,
                     implementation=slab.implementation,
                 )
         else:
@@ -310,8 +324,11 @@ class EmbeddingRows:
             part = slice(start, start + size)
             with slab.lock:
                 slab.array = _pack_rows(
-                    slab.array, rows[part], self._units[slots[part]],
-                    unit_words=self._unit_words, implementation=slab.implementation,
+                    slab.array,
+                    rows[part],
+                    self._units[slots[part]],
+                    unit_words=self._unit_words,
+                    implementation=slab.implementation,
                 )
             start += size
 
@@ -321,7 +338,9 @@ class EmbeddingRows:
         """Lookup counters: rows served from the device, rows fetched from L2/L3, promotions."""
         n = dict(self._n)
         n["device_hit_ratio"] = n["rows_device"] / n["rows"] if n["rows"] else 0.0
-        n.update(capacity=self.capacity, layout=self.layout, resident=int((self._row_at >= 0).sum()))
+        n.update(
+            capacity=self.capacity, layout=self.layout, resident=int((self._row_at >= 0).sum())
+        )
         return n
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -39,21 +39,34 @@ from pallas_kernels import gather_lines, pack_lines
 
 DEVICE_LAYOUTS = ("arrays", "slab")
 
-# Default line size: the largest power of two dividing the store's largest block (so that block
-# fills whole lines), at most this many bytes (so small and odd-sized blocks waste little).
+# Default line size bounds (see `default_line_bytes`).
 MAX_DEFAULT_LINE_BYTES = 64 << 10
+MIN_DEFAULT_LINE_BYTES = 4 << 10
 
 
-def default_line_bytes(largest_block: int) -> int:
-    """The line size a slab uses for a store whose largest block has ``largest_block`` bytes.
+def _pow2_part(n: int) -> int:
+    return n & -n if n > 0 else 0
 
-    >>> default_line_bytes(256), default_line_bytes(3 << 20), default_line_bytes(324)
-    (256, 65536, 4)
+
+def default_line_bytes(block_sizes: Iterable[int]) -> int:
+    """The line size a slab uses for blocks of ``block_sizes`` bytes (a store's full chunks).
+
+    The largest power of two that divides every size, so that every full chunk is whole lines,
+    raised to at least 4 KiB (a smaller block then leaves part of one line unused) and at most
+    64 KiB; never more than the largest block's power-of-two part, so that the largest block is
+    whole lines and fits whenever ``device_bytes`` is at least its size.
+
+    >>> default_line_bytes([256]), default_line_bytes([1 << 20, 16 << 10, 2 << 10])
+    (256, 4096)
+    >>> default_line_bytes([3 << 20]), default_line_bytes([324, 100])
+    (65536, 4)
     """
-    if largest_block <= 0:
+    sizes = [int(n) for n in block_sizes if n > 0]
+    if not sizes:
         return 4
-    line = largest_block & -largest_block
-    return min(line, MAX_DEFAULT_LINE_BYTES)
+    common = min(_pow2_part(n) for n in sizes)
+    line = min(max(common, MIN_DEFAULT_LINE_BYTES), MAX_DEFAULT_LINE_BYTES)
+    return max(1, min(line, _pow2_part(max(sizes))))
 
 
 def lines_for(nbytes: int, line_bytes: int) -> int:
@@ -231,14 +244,18 @@ class SlabTier(AbstractTier):
         implementation: str = "auto",
     ) -> None:
         super().__init__(budget, setting="device_bytes")
-        if isinstance(line_bytes, bool) or not isinstance(line_bytes, (int, np.integer)) or (
-            line_bytes <= 0
+        if (
+            isinstance(line_bytes, bool)
+            or not isinstance(line_bytes, (int, np.integer))
+            or (line_bytes <= 0)
         ):
             raise BudgetError(f"line_bytes={line_bytes!r} must be a positive integer")
         self.device = device if device is not None else jax.devices()[0]
         self.line_bytes = int(line_bytes)
         self.slab = LineSlab(
-            self.budget // self.line_bytes, self.line_bytes, device=self.device,
+            self.budget // self.line_bytes,
+            self.line_bytes,
+            device=self.device,
             implementation=implementation,
         )
         self.budget = self.slab.nbytes
@@ -290,11 +307,14 @@ def make_device_tier(
     layout: str,
     device_bytes: int,
     *,
-    largest_block: int,
+    store: Any,
     line_bytes: int | None = None,
     device: jax.Device | None = None,
 ) -> AbstractTier:
     """The L1 tier for ``TieredCache(device_layout=...)``: `DeviceTier` or `SlabTier`.
+
+    Without ``line_bytes`` a slab's lines follow the store's full chunk sizes
+    (`default_line_bytes`).
 
     Raises:
       ValueError: an unknown layout, or ``line_bytes`` given for the arrays layout.
@@ -309,5 +329,8 @@ def make_device_tier(
             )
         return DeviceTier(device_bytes, device=device)
     if line_bytes is None:
-        line_bytes = default_line_bytes(largest_block)
+        line_bytes = default_line_bytes(
+            math.prod(min(c, n) for c, n in zip(a.chunk_shape, a.shape)) * a.dtype.itemsize
+            for a in store.arrays().values()
+        )
     return SlabTier(device_bytes, line_bytes=line_bytes, device=device)

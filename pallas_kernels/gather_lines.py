@@ -39,9 +39,7 @@ def _check(slab, slots, out) -> None:
         )
     want = (slots.shape[0], slab.shape[1])
     if out is not None and (out.shape != want or out.dtype != slab.dtype):
-        raise ValueError(
-            f"gather_lines: out {out.shape} {out.dtype} must be {want} {slab.dtype}"
-        )
+        raise ValueError(f"gather_lines: out {out.shape} {out.dtype} must be {want} {slab.dtype}")
 
 
 def _gather_lines_pallas(slab, slots, out=None, *, interpret: bool):

@@ -34,7 +34,13 @@ COUNTER_DTYPES = (jnp.float32, jnp.int32, jnp.uint32)
 
 
 def lfu_update_kernel(
-    ids_ref, counters_in_ref, counters_ref, *, block: int, ids_block: int, decay: float,
+    ids_ref,
+    counters_in_ref,
+    counters_ref,
+    *,
+    block: int,
+    ids_block: int,
+    decay: float,
     shift: int,
 ):
     """Program i ages counters ``[i*block, (i+1)*block)`` and adds the ids that fall in them.

@@ -82,9 +82,7 @@ def pack_lines_reference(slab: jax.Array, lines: jax.Array, slots: jax.Array) ->
     return slab.at[slots].set(lines)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("implementation", "interpret"), donate_argnums=(0,)
-)
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret"), donate_argnums=(0,))
 def _pack_lines(slab, lines, slots, *, implementation: str, interpret: bool):
     _check(slab, lines, slots)
     if resolve(implementation, interpret, op="pack_lines") == "pallas":

@@ -37,8 +37,9 @@ def _zipf_ids(rng, n: int, num_rows: int, shape=None) -> np.ndarray:
     split_columns=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_lookup_equals_take_on_the_full_table(layout, dtype, row_shape, chunk_rows,
-                                              split_columns, seed):
+def test_lookup_equals_take_on_the_full_table(
+    layout, dtype, row_shape, chunk_rows, split_columns, seed
+):
     """Random tables 8x (or more) the L1 budget, Zipf ids in batches of 64, all layouts.
 
     Chunks hold ``chunk_rows`` rows, and with ``split_columns`` a row is cut across chunks, so
@@ -47,8 +48,9 @@ def test_lookup_equals_take_on_the_full_table(layout, dtype, row_shape, chunk_ro
     """
     rng = np.random.default_rng(seed)
     num_rows = 1500
-    raw = rng.integers(0, 256, size=num_rows * int(np.prod(row_shape)) * np.dtype(dtype).itemsize,
-                       dtype=np.uint8)
+    raw = rng.integers(
+        0, 256, size=num_rows * int(np.prod(row_shape)) * np.dtype(dtype).itemsize, dtype=np.uint8
+    )
     table = raw.view(np.dtype(dtype)).reshape((num_rows, *row_shape))
     if np.issubdtype(np.dtype(dtype), np.floating) or np.dtype(dtype) == jnp.bfloat16:
         table[np.isnan(table.astype(np.float32))] = 0.5  # NaN != NaN would hide a mismatch
@@ -56,8 +58,9 @@ def test_lookup_equals_take_on_the_full_table(layout, dtype, row_shape, chunk_ro
     chunk_bytes = chunk_rows * row_bytes // (2 if split_columns else 1)
     store = cfj.write_store({"emb": table}, _url(), chunk_bytes=max(chunk_bytes, 1))
     device_bytes = table.nbytes // 8
-    cache = cfj.TieredCache(store, device_bytes=device_bytes, host_bytes=table.nbytes // 2,
-                            device_layout=layout)
+    cache = cfj.TieredCache(
+        store, device_bytes=device_bytes, host_bytes=table.nbytes // 2, device_layout=layout
+    )
     full = jnp.asarray(table)
     with cfj.serving(cache, embedding_bytes=device_bytes // 2, promote_every=4) as s:
         for step in range(14):
@@ -78,8 +81,9 @@ def test_hot_rows_come_from_the_device_after_a_promotion(layout):
     rng = np.random.default_rng(1)
     table = rng.standard_normal((4096, 32)).astype(np.float32)
     store = cfj.write_store({"emb": table}, _url(), chunk_bytes=64 * 128)
-    cache = cfj.TieredCache(store, device_bytes=table.nbytes // 8, host_bytes=table.nbytes,
-                            device_layout=layout)
+    cache = cfj.TieredCache(
+        store, device_bytes=table.nbytes // 8, host_bytes=table.nbytes, device_layout=layout
+    )
     hot = rng.choice(4096, 100, replace=False).astype(np.int32)
     with cfj.serving(cache, promote_every=2) as s:
         for part in (hot[:64], hot[36:]):  # every hot row once, then a promotion
@@ -97,8 +101,9 @@ def test_counters_live_on_the_device_and_match_the_reference():
     rng = np.random.default_rng(2)
     table = rng.standard_normal((1000, 8)).astype(np.float32)
     store = cfj.write_store({"emb": table}, _url(), chunk_bytes=32 * 32)
-    cache = cfj.TieredCache(store, device_bytes=8 * 1024, host_bytes=64 * 1024,
-                            device_layout="slab")
+    cache = cfj.TieredCache(
+        store, device_bytes=8 * 1024, host_bytes=64 * 1024, device_layout="slab"
+    )
     batches = [_zipf_ids(rng, 64, 1000) for _ in range(10)]
     with cfj.serving(cache, promote_every=4, row_half_life=8.0) as s:
         for ids in batches:
@@ -118,8 +123,9 @@ def test_rows_share_the_l1_budget_and_slab_rows_allocate_nothing():
     table = rng.standard_normal((2048, 16)).astype(np.float32)  # 128 KiB: 8x L1
     weights = rng.standard_normal((8, 256)).astype(np.float32)
     store = cfj.write_store({"emb": table, "w": weights}, _url(), chunk_bytes=1024)
-    cache = cfj.TieredCache(store, device_bytes=16 * 1024, host_bytes=256 * 1024,
-                            device_layout="slab")
+    cache = cfj.TieredCache(
+        store, device_bytes=16 * 1024, host_bytes=256 * 1024, device_layout="slab"
+    )
     tier = cache._tiers[0]
     for i in range(8):
         cache.get(f"w@{i},0")
@@ -153,7 +159,8 @@ def test_bad_lookups_are_named():
             s.lookup("emb", jnp.array([3, 100]))
         with pytest.raises(ValueError, match="ids must be integers"):
             s.lookup("emb", jnp.array([1.0]))
-    with cfj.serving(cache, embedding_bytes=8) as s, pytest.raises(
-        cfj.BudgetError, match="embedding_bytes=8 holds no row of 'emb'"
+    with (
+        cfj.serving(cache, embedding_bytes=8) as s,
+        pytest.raises(cfj.BudgetError, match="embedding_bytes=8 holds no row of 'emb'"),
     ):
         s.lookup("emb", jnp.array([1]))

@@ -147,8 +147,11 @@ class GatherLinesTest:
 
     def test_bad_out_buffer_is_named(self):
         with pytest.raises(ValueError, match=r"out \(2, 8\) uint32 must be \(3, 8\)"):
-            self.run(jnp.zeros((4, 8), jnp.uint32), jnp.array([0, 1, 2]),
-                     out=jnp.zeros((2, 8), jnp.uint32))
+            self.run(
+                jnp.zeros((4, 8), jnp.uint32),
+                jnp.array([0, 1, 2]),
+                out=jnp.zeros((2, 8), jnp.uint32),
+            )
 
 
 class GatherLinesInterpretTest(GatherLinesTest):
@@ -244,12 +247,18 @@ def test_kernels_lower_to_triton_for_cuda(dtype):
     s = jax.ShapeDtypeStruct
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     cases = [
-        (functools.partial(_pack_lines_pallas, interpret=False),
-         (s((64, 3072), dtype), s((3, 3072), dtype), s((3,), jnp.int32))),
-        (functools.partial(_gather_lines_pallas, interpret=False),
-         (s((64, 24), dtype), s((5,), jnp.int32), s((5, 24), dtype))),
-        (functools.partial(_lfu_update_pallas, decay=0.5, interpret=False),
-         (s((1000,), jnp.int32), s((70,), jnp.int32))),
+        (
+            functools.partial(_pack_lines_pallas, interpret=False),
+            (s((64, 3072), dtype), s((3, 3072), dtype), s((3,), jnp.int32)),
+        ),
+        (
+            functools.partial(_gather_lines_pallas, interpret=False),
+            (s((64, 24), dtype), s((5,), jnp.int32), s((5, 24), dtype)),
+        ),
+        (
+            functools.partial(_lfu_update_pallas, decay=0.5, interpret=False),
+            (s((1000,), jnp.int32), s((70,), jnp.int32)),
+        ),
     ]
     for fn, args in cases:
         module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)

@@ -74,8 +74,14 @@ def test_slab_keeps_bytes_exactly_through_pack_gather_eviction_and_reuse(
     rng = np.random.default_rng(seed)
     store = cfj.write_store({"w": np.zeros((2, 2), np.float32)}, _url(), chunk_bytes=16)
     budget = lines * line_bytes
-    cache = cfj.TieredCache(store, device_bytes=budget, host_bytes=budget,
-                            device_layout="slab", line_bytes=line_bytes, read_buffer=1)
+    cache = cfj.TieredCache(
+        store,
+        device_bytes=budget,
+        host_bytes=budget,
+        device_layout="slab",
+        line_bytes=line_bytes,
+        read_buffer=1,
+    )
     tier = cache._tiers[0]
     assert isinstance(tier, SlabTier) and tier.budget == budget
     truth: dict[str, np.ndarray] = {}
@@ -104,10 +110,12 @@ def test_slab_keeps_bytes_exactly_through_pack_gather_eviction_and_reuse(
 
 
 def test_lines_are_reused_after_eviction():
-    store = cfj.write_store({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, _url(),
-                            chunk_bytes=32)
-    cache = cfj.TieredCache(store, device_bytes=64, host_bytes=0, device_layout="slab",
-                            line_bytes=16)
+    store = cfj.write_store(
+        {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, _url(), chunk_bytes=32
+    )
+    cache = cfj.TieredCache(
+        store, device_bytes=64, host_bytes=0, device_layout="slab", line_bytes=16
+    )
     tier = cache._tiers[0]
     assert tier.slab.num_lines == 4
     first = cache.get("w@0,0")
@@ -134,11 +142,13 @@ def test_device_memory_stays_flat_over_10000_get_evict_cycles(layout):
     to the caller, which are dropped here. With the arrays layout, each resident block is its own
     buffer, which the count shows, so the count is not blind.
     """
-    store = cfj.write_store({"w": np.random.default_rng(0).random((4, 256), np.float32)}, _url(),
-                            chunk_bytes=1024)
+    store = cfj.write_store(
+        {"w": np.random.default_rng(0).random((4, 256), np.float32)}, _url(), chunk_bytes=1024
+    )
     keys = [f"w@{i},0" for i in range(3)]
-    cache = cfj.TieredCache(store, device_bytes=2 * 1024, host_bytes=8 * 1024,
-                            device_layout=layout, read_buffer=1)
+    cache = cfj.TieredCache(
+        store, device_bytes=2 * 1024, host_bytes=8 * 1024, device_layout=layout, read_buffer=1
+    )
     for i in range(30):  # compile and settle
         cache.get(keys[i % 3])
     gc.collect()
@@ -170,7 +180,7 @@ def test_budget_is_the_slab_size():
     store = cfj.write_store({"w": np.zeros((4, 64), np.float32)}, _url(), chunk_bytes=256)
     cache = cfj.TieredCache(store, device_bytes=1000, host_bytes=0, device_layout="slab")
     tier = cache._tiers[0]
-    assert tier.line_bytes == default_line_bytes(256) == 256
+    assert tier.line_bytes == default_line_bytes([256]) == 256
     assert tier.budget == 768 == tier.slab.array.nbytes  # 1000 rounded down to whole lines
     for i in range(4):
         cache.get(f"w@{i},0")
@@ -184,5 +194,4 @@ def test_bad_layout_settings_are_named():
     with pytest.raises(ValueError, match="line_bytes=64 applies to device_layout='slab' only"):
         cfj.TieredCache(store, device_bytes=1024, host_bytes=0, line_bytes=64)
     with pytest.raises(cfj.BudgetError, match="line_bytes=0 must be a positive integer"):
-        cfj.TieredCache(store, device_bytes=1024, host_bytes=0, device_layout="slab",
-                        line_bytes=0)
+        cfj.TieredCache(store, device_bytes=1024, host_bytes=0, device_layout="slab", line_bytes=0)
