@@ -164,3 +164,24 @@ def test_bad_lookups_are_named():
         pytest.raises(cfj.BudgetError, match="embedding_bytes=8 holds no row of 'emb'"),
     ):
         s.lookup("emb", jnp.array([1]))
+
+
+@pytest.mark.parametrize("layout", ["slab", "arrays"])
+def test_get_host_many_reads_l3_once_and_keeps_blocks_where_they_are(layout):
+    data = np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32)
+    store = cfj.write_store({"w": data}, _url(), chunk_bytes=256)
+    cache = cfj.TieredCache(store, device_bytes=2 * 256, host_bytes=8 * 256,
+                            device_layout=layout)
+    cache.get("w@0,0")  # in L1
+    keys = [f"w@{i},0" for i in (0, 3, 5, 3)]
+    for round_ in range(2):
+        got = cache.get_host_many(keys)
+        for key, value in zip(keys, got):
+            assert isinstance(value, np.ndarray)
+            assert value.tobytes() == data[int(key[2])][None].tobytes()
+        stats = cache.stats()
+        # Round 1: w@0 from L1, w@3 and w@5 read from L3 once each (w@3 twice in the batch).
+        assert stats["misses"] == 3 and stats["hits"]["host"] == 2 * round_
+    assert cache.tier_of("w@0,0") == "device"
+    assert cache.tier_of("w@3,0") == "host" and cache.tier_of("w@5,0") == "host"
+    cache.check_budgets()
