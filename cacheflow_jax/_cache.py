@@ -36,10 +36,10 @@ from cacheflow_jax._blocks import BlockInfo, BudgetError, Store, StoreError, Sto
 from cacheflow_jax._locations import DEFAULT_TIMEOUT
 from cacheflow_jax._policy import Policy, admit_all, get_policy
 from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
+from cacheflow_jax._slab import make_device_tier
 from cacheflow_jax._tiers import (
     PRESENT,
     AbstractTier,
-    DeviceTier,
     HostTier,
     MetadataTier,
     check_device_dtype,
@@ -113,9 +113,16 @@ class TieredCache:
         holds at once, resident in L1/L2 or waiting to be written back; a `put` beyond it first
         starts write-backs and waits for them (up to ``l3_timeout``), then raises `StoreError`.
         Default: twice ``device_bytes + host_bytes``.
+      device_layout: ``"arrays"`` (one ``jax.Array`` per L1 block, the default) or ``"slab"``
+        (one preallocated slab of fixed-size lines filled and read by the Pallas kernels; see
+        `cacheflow_jax._slab`).
+      line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
+        power of two dividing the store's chunk sizes, within 4-64 KiB (see
+        `cacheflow_jax._slab.default_line_bytes`).
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
+      ValueError: an unknown ``device_layout``.
 
     >>> import cacheflow_jax as cfj, numpy as np
     >>> store = cfj.write_store({"w": np.arange(8.0)}, "memory://doc-cache/", chunk_bytes=32)
@@ -138,9 +145,15 @@ class TieredCache:
         read_buffer: int = 64,
         l3_timeout: float | None = DEFAULT_TIMEOUT,
         writeback_bytes: int | None = None,
+        device_layout: str = "arrays",
+        line_bytes: int | None = None,
     ) -> None:
         if tiers is None:
-            tiers = [DeviceTier(device_bytes, device=device), HostTier(host_bytes)]
+            tiers = [
+                make_device_tier(device_layout, device_bytes, store=store, line_bytes=line_bytes,
+                                 device=device),
+                HostTier(host_bytes),
+            ]
         self._tiers = list(tiers)
         largest = _largest_block(store)
         for tier, setting in zip(self._tiers, ("device_bytes", "host_bytes")):
@@ -287,6 +300,104 @@ class TieredCache:
                 else:
                     pending.append(key)
         return [out[k] for k in keys]
+
+    # ------------------------------------------------------------ embedding rows (`lookup`)
+
+    def get_host_many(self, keys: Iterable[str]) -> list[np.ndarray]:
+        """Returns blocks as host arrays without promoting them to L1.
+
+        For callers that keep their own device copy of what is hot (`serving`'s ``lookup`` of
+        embedding rows). Hits in L1 or L2 count as such and stay where they are; the rest are
+        read from L3 in one batch and kept in L2 when the policy admits them.
+
+        Raises:
+          KeyError: no block for one of ``keys`` (before anything is read).
+        """
+        keys = list(keys)
+        infos = {key: self.info(key) for key in keys}
+        out: dict[str, Any] = {}
+        pending = list(infos)
+        while pending:
+            owned, waits = [], []
+            with self._lock:
+                self._drain()
+                now = self._clock()
+                host = self._tiers[HOST].entries if len(self._tiers) > HOST else {}
+                for key in pending:
+                    transit = self._inflight.get(key)
+                    if transit is not None:
+                        waits.append((key, transit))
+                        continue
+                    nbytes = infos[key].nbytes
+                    value = self._l1.get(key)
+                    if value is not None:
+                        self._account(key, "device", now, nbytes)
+                    elif key in host or key in self._unwritten:
+                        self._account(key, "host", now, nbytes)
+                        value = host[key] if key in host else self._unwritten[key]
+                    else:
+                        self._account(key, "miss", now, nbytes)
+                        self._inflight[key] = _Transit()
+                        owned.append(key)
+                        continue
+                    out[key] = value
+            first_error: BaseException | None = None
+            for key, future in zip(owned, self._read_many(owned)):
+                transit = self._inflight[key]
+                try:
+                    value = future.result()
+                    host_value = self._load_host(key, infos[key].nbytes, value)
+                    with self._lock:
+                        if host_value is not None:
+                            self._tiers[HOST].put_reserved(key, host_value, infos[key].nbytes)
+                            self.policy.insert(self._pstate, HOST, key, self._clock(),
+                                               infos[key].nbytes)
+                        del self._inflight[key]
+                        self._notify_room()
+                    out[key] = value
+                    transit.finish()
+                except BaseException as e:  # finish the other reads before raising
+                    with self._lock:
+                        self._inflight.pop(key, None)
+                    transit.finish(error=e)
+                    first_error = first_error or e
+            if first_error is not None:
+                raise first_error
+            pending = []
+            for key, transit in waits:
+                transit.wait()
+                if transit.error is not None:
+                    raise transit.error
+                pending.append(key)  # look again: it is now in a tier (or back in L3)
+        return [_to_host(out[key]) for key in keys]
+
+    def reserve_device(self, nbytes: int) -> AbstractTier:
+        """Reserves ``nbytes`` of L1 for data the caller keeps on the device itself.
+
+        Blocks are evicted (demoted) as the policy says until the bytes fit; they stay counted
+        in L1's ``used`` until `release_device`. For `serving`'s ``lookup``, whose hot embedding
+        rows share L1's budget with blocks.
+
+        Returns:
+          The L1 tier (a `SlabTier` then hands out lines for the reserved bytes).
+
+        Raises:
+          BudgetError: ``nbytes`` cannot fit in L1 even with every block evicted.
+        """
+        if not self._make_room(DEVICE, nbytes, None):
+            tier = self._tiers[DEVICE]
+            raise BudgetError(
+                f"cannot reserve {nbytes} bytes of L1 (device_bytes={tier.budget}, "
+                f"{tier.used} in use by blocks in transit or other reservations); ask for "
+                "less or raise device_bytes"
+            )
+        return self._tiers[DEVICE]
+
+    def release_device(self, nbytes: int) -> None:
+        """Returns bytes reserved with `reserve_device`."""
+        with self._lock:
+            self._tiers[DEVICE].release(nbytes)
+            self._notify_room()
 
     # --------------------------------------------------------------------- replay (one thread)
 
