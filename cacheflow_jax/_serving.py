@@ -161,6 +161,7 @@ def serving(
         log = AccessLogWriter(access_log, describe=describe)
     session = ServingSession(cache, log, embedding_bytes=embedding_bytes,
                              promote_every=promote_every, row_half_life=row_half_life)
+    cache.start_prefetch()
     try:
         yield session
     except BaseException as body_error:
@@ -179,6 +180,7 @@ def _finish(session: ServingSession, log: AccessLogWriter | None) -> list[Except
     returns their errors."""
     errors: list[Exception] = []
     try:
+        session.cache.stop_prefetch()  # no prefetch thread outlives the session
         session.close()
     except Exception as err:
         errors.append(err)
