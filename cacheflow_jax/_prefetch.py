@@ -17,8 +17,11 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
   by the time it was expected to be is stale, and stale guesses leave any tier first.
 * A demand access that finds its block still loading waits for that load (it is *late*); one
   that finds it resident is a hit (*timely*).
-* The worker takes at most ``max_duty`` of the time (it sleeps in proportion to its work), so on
-  a machine with few cores it does not starve the serving thread of the GIL.
+* When accesses pile up faster than the worker takes them (a tight loop of hits, where there
+  is nothing to prefetch anyway), the worker takes at most ``max_duty`` of the time: it sleeps in
+  proportion to its work, so on a machine with few cores it does not starve the serving thread
+  of the GIL. A serving loop that computes between its accesses (one ``get_many`` per layer, then
+  the layer's math) finds the worker idle, and each batch is answered at once.
 * A predictor that raises, or whose ``predict`` takes longer than ``predict_budget_s`` (median of
   its last 16 calls), turns prefetching off with one warning; the cache goes on without it.
 
@@ -60,7 +63,8 @@ class PrefetchSettings:
       inflight_bytes: bytes of prefetch loads in flight at once; None: a quarter of L1, and at
         least the largest block.
       predict_budget_s: a ``predict`` slower than this (median of the last 16) turns prefetch off.
-      max_duty: the largest share of time the live worker spends working.
+      max_duty: the largest share of time the live worker spends working while accesses pile
+        up (more than one batch waiting when it wakes).
       lead: replay only: a load issued at access ``i`` is usable from access ``i + lead`` on.
       keys_known: replay only: every key of the trace is in L3 from the start (weights); by
         default a key is fetchable only after its first access (KV blocks are written first).
@@ -72,7 +76,7 @@ class PrefetchSettings:
     min_score: float = 0.25
     inflight_bytes: int | None = None
     predict_budget_s: float = 0.05
-    max_duty: float = 0.1
+    max_duty: float = 0.05
     lead: int = 1
     keys_known: bool = False
     synchronous: bool = False
@@ -193,6 +197,7 @@ class PrefetchScheduler:
 
 
 _FEED = 1 << 16  # accesses (or batches) waiting for the worker, at most
+_ROUND = 32  # feed items observed per round of the worker, at most
 
 
 class PrefetchWorker:
@@ -216,6 +221,7 @@ class PrefetchWorker:
         self._stop = False
         self._queue: list[tuple[str, float]] = []
         self.paused = False  # accesses teach the predictor, but nothing is issued
+        self.skipped = 0  # feed items dropped because they piled up
         self._thread = threading.Thread(target=self._run, name="cacheflow-prefetch", daemon=True)
         self._thread.start()
 
@@ -252,13 +258,20 @@ class PrefetchWorker:
             if self._stop:
                 break
             start = time.perf_counter()
+            backlog = len(self.feed) > 1
             while self.arrived:
                 key, future = self.arrived.popleft()
                 cache._prefetch_install(key, future)
             observed = False
             now = cache._clock()
             feed = self.feed
-            while feed:
+            # Take what is waiting now, at most _ROUND items: when accesses pile up, the oldest
+            # are skipped (the next prediction depends on the newest), and the round stays short.
+            waiting = len(feed)
+            for _ in range(waiting - _ROUND):
+                feed.popleft()
+                self.skipped += 1
+            for _ in range(min(waiting, _ROUND)):
                 item = feed.popleft()
                 if isinstance(item, str):
                     scheduler.observe(item, now)
@@ -279,6 +292,6 @@ class PrefetchWorker:
                     break  # in-flight bytes at their bound: try again after an arrival
                 self._queue.pop(0)
             busy = time.perf_counter() - start
-            if duty < 1.0 and busy > 0:
+            if backlog and duty < 1.0 and busy > 0:
                 time.sleep(busy * (1.0 / duty - 1.0))
         cache._prefetch_abandon(self)
