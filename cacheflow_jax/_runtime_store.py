@@ -56,14 +56,19 @@ def default_runtime_dir(label: str) -> Path:
     """The default runtime location of a read-only store (an orbax checkpoint) at ``label``.
 
     ``$XDG_CACHE_HOME/cacheflow_jax/runtime/<name>-<digest>/`` (``~/.cache`` without
-    ``XDG_CACHE_HOME``): ``name`` is the location's last part, the digest (12 hex digits of the
-    SHA-256 of the whole location) keeps two checkpoints of one name apart.
+    ``XDG_CACHE_HOME``): ``name`` is the location's last part (with its parent's for a step
+    directory, whose name is a number), the digest (12 hex digits of the SHA-256 of the whole
+    location) keeps two checkpoints of one name apart.
 
-    >>> default_runtime_dir("/data/ckpt/5").name.startswith("5-")
+    >>> default_runtime_dir("/data/ckpt/5").name.startswith("ckpt-5-")
     True
     """
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", label.rstrip("/").rsplit("/", 1)[-1]) or "store"
+    parts = label.rstrip("/").split("/")
+    last = parts[-1]
+    if last.isdigit() and len(parts) > 1:
+        last = f"{parts[-2]}-{last}"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", last) or "store"
     digest = hashlib.sha256(label.rstrip("/").encode()).hexdigest()[:12]
     return Path(base) / "cacheflow_jax" / "runtime" / f"{name}-{digest}"
 

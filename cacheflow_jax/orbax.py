@@ -50,8 +50,9 @@ from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._orbax_open import ORBAX_MARKERS as _ORBAX_MARKERS
 from cacheflow_jax._policy import Policy
 from cacheflow_jax._store import TensorStoreStore, open_store
+from cacheflow_jax._verify import verify_checkpoint
 
-__all__ = ["LazyArray", "default_budgets", "materialize", "restore_lazy"]
+__all__ = ["LazyArray", "default_budgets", "materialize", "restore_lazy", "verify_checkpoint"]
 
 _NOT_AN_ARRAY = (
     "LazyArray {path!r} is a handle to checkpoint data, not a jax.Array, so {what} is not "
