@@ -2,7 +2,7 @@
 
     python -m bench.subblocks [--json] [--runs N] [--warmup N] [--out DIR] [--dir DIR]
                               [--rows N] [--dim N] [--batch 64] [--lookups N] [--zipf A]
-                              [--seed N] [--keep]
+                              [--seed N] [--block-bytes N] [--keep]
 
 A float32 table of ``--rows`` x ``--dim`` (32 MiB by default) is stored as ONE chunk three ways,
 under ``--dir`` (on disk; removed at the end unless ``--keep``):
@@ -17,7 +17,7 @@ under ``--dir`` (on disk; removed at the end unless ``--keep``):
 
 The cache has ``device_bytes`` = 1/8 of the table (half of it reserved for hot rows) and
 ``host_bytes`` = 1/4, so the table is 8x L1 and can only be served as sub-blocks (block size
-1/8 of L1). Each run serves the same ``--lookups`` batches of ``--batch`` Zipf ids through
+1/8 of L1, the default, or ``--block-bytes``). Each run serves the same ``--lookups`` batches of ``--batch`` Zipf ids through
 ``session.lookup`` (variant ``cacheflow``), and the same batches with:
 
 * ``tensorstore`` (**baseline**): plain TensorStore reads of each batch's rows
@@ -118,7 +118,9 @@ def _pass(variant: str, path: Path, table: np.ndarray, batches: list, args: Any)
     files_before = _file_bytes()
     if variant == "cacheflow":
         store = open_store(path)
-        block = device_bytes // 8 if store.writer_chose_chunks else None
+        block = args.block_bytes
+        if block is None and store.writer_chose_chunks:
+            block = device_bytes // 8
         cache = TieredCache(
             store, device_bytes=device_bytes, host_bytes=host_bytes, block_bytes=block
         )
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lookups", type=int, default=100)
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--block-bytes", type=int, default=None, help="the cache's block size (default 1/8 of L1)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the stores under --dir")
     args = p.parse_args(argv)
     check_runs(args)
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch": args.batch,
         "lookups": args.lookups,
         "zipf": args.zipf,
+        "block_bytes": args.block_bytes or (table.nbytes // 8) // 8,
         "runs": args.runs,
         "warmup": args.warmup,
         "load": os.getloadavg(),

@@ -371,7 +371,7 @@ def _run_train(argv: Sequence[str]) -> int:
 # bench
 
 BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
-              "embedding", "gpu_kernels")
+              "embedding", "gpu_kernels", "subblocks")
 
 
 def _run_bench(argv: Sequence[str]) -> int:
