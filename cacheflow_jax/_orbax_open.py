@@ -62,7 +62,10 @@ def parent_location(kv_spec: Mapping[str, Any]) -> tuple[dict[str, Any], str] | 
 
 
 def manifest_location(
-    kv_spec: Mapping[str, Any], item: str, steps: Mapping[int, str] | None, step: int | None,
+    kv_spec: Mapping[str, Any],
+    item: str,
+    steps: Mapping[int, str] | None,
+    step: int | None,
     item_is_in_step: bool,
 ) -> tuple[dict[str, Any], str] | None:
     """(kvstore spec of the directory holding the manifest, its key) for a checkpoint.
@@ -100,7 +103,9 @@ def manifest_label(spec: Mapping[str, Any], name: str) -> str:
         return f"{name} in {json.dumps(dict(spec), sort_keys=True)}"
 
 
-def checkpoint_fingerprint(kv: ts.KvStore, item: str, metadata_raw: bytes, deadline: Deadline) -> str:
+def checkpoint_fingerprint(
+    kv: ts.KvStore, item: str, metadata_raw: bytes, deadline: Deadline
+) -> str:
     """A digest of an item's ``_METADATA`` and ``manifest.ocdbt`` (SHA-256, 16 hex digits).
 
     Orbax writes ``manifest.ocdbt`` anew on every save, so a manifest recorded for one save does

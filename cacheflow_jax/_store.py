@@ -307,9 +307,7 @@ class TensorStoreStore:
         block_grid = tuple(-(-s // b) for s, b in zip(arr.shape, block, strict=True))
         for idx in np.ndindex(*block_grid):
             origin = tuple(i * b for i, b in zip(idx, block, strict=True))
-            shape = tuple(
-                min(b, s - o) for b, s, o in zip(block, arr.shape, origin, strict=True)
-            )
+            shape = tuple(min(b, s - o) for b, s, o in zip(block, arr.shape, origin, strict=True))
             key = block_key(path, idx)
             info = BlockInfo(
                 key=key,
@@ -346,9 +344,7 @@ class TensorStoreStore:
     ) -> _Entry:
         """The entry of one whole stored chunk (clipped at the array's edge)."""
         origin = tuple(i * c for i, c in zip(idx, chunk_shape, strict=True))
-        shape = tuple(
-            min(c, s - o) for c, s, o in zip(chunk_shape, arr.shape, origin, strict=True)
-        )
+        shape = tuple(min(c, s - o) for c, s, o in zip(chunk_shape, arr.shape, origin, strict=True))
         info = BlockInfo(
             key=block_key(path, idx),
             shape=shape,
@@ -727,7 +723,9 @@ class TensorStoreStore:
         part = entry.partial
         assert part is not None
         self._counters.add(
-            bytes_served=entry.info.nbytes, blocks_served=1, partial_reads=1,
+            bytes_served=entry.info.nbytes,
+            blocks_served=1,
+            partial_reads=1,
         )
         future = part.kvstore.read(part.key, byte_range=slice(part.start, part.stop))
         return PartialReadFuture(future, entry, self)
@@ -1083,10 +1081,18 @@ def open_store(
     runtime_here = runtime_keys(keys)
     data_keys = [k for k in keys if not k.startswith(_RUNTIME_PREFIX)]
     items = sorted(
-        {k.split("/")[0] for k in data_keys if k.count("/") == 1 and k.split("/")[1] in ORBAX_MARKERS}
+        {
+            k.split("/")[0]
+            for k in data_keys
+            if k.count("/") == 1 and k.split("/")[1] in ORBAX_MARKERS
+        }
     )
     has_zarr = any(k == "zarr.json" or k.endswith("/zarr.json") for k in data_keys)
-    steps = find_steps(data_keys) if not items and not has_zarr else {}
+    steps = (
+        find_steps(data_keys)
+        if not items and not any(m in data_keys for m in ORBAX_MARKERS)
+        else {}
+    )
     if step is not None and not steps:
         raise ValueError(
             f"step={step} was given, but {label} is not a CheckpointManager root (it has no "
