@@ -175,3 +175,17 @@ def test_an_empty_result_is_never_silent(tmp_path: Path) -> None:
         restore_lazy(root, device_bytes=1 << 20, host_bytes=1 << 20)
     with pytest.raises(ValueError, match="not a CheckpointManager root"):
         cfj.open_store(_save(tmp_path / "other") / "1", step=1)
+
+
+def test_runtime_blocks_go_where_runtime_says(tmp_path: Path) -> None:
+    root = _save(tmp_path / "ckpt")
+    before = _digests(root)
+    store = cfj.open_store(root, runtime=tmp_path / "kv")
+    assert store.runtime_spec == str(tmp_path / "kv")
+    store.write("kv:a", np.arange(8, dtype=np.int32)).result()
+    assert (tmp_path / "kv" / "_runtime" / "kv%3Aa.block").is_file()
+    assert _digests(root) == before
+    again = cfj.open_store(root, runtime=tmp_path / "kv")
+    np.testing.assert_array_equal(again.read("kv:a").result(), np.arange(8, dtype=np.int32))
+    # Without runtime=, the default location is a different one: the block is not there.
+    assert "kv:a" not in cfj.open_store(root).keys()
