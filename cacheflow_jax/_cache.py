@@ -436,7 +436,7 @@ class TieredCache:
         for key, view, transit in taken:
             try:
                 value = np.array(view)  # a copy: the view holds the whole chunk's buffer
-            except BaseException:
+            except MemoryError:  # a prefetch is optional: give its room back
                 value = None
             with self._lock:
                 if value is not None:
