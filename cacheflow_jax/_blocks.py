@@ -128,17 +128,28 @@ class BlockInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayInfo:
-    """One stored array: its path, shape, dtype and chunk shape."""
+    """One stored array: its path, shape, dtype and block shape.
+
+    ``chunk_shape`` is the shape of one block, the unit keys name. It is the stored chunk's
+    shape unless the store serves large chunks as sub-blocks (``block_bytes``); then
+    ``stored_chunk_shape`` is the chunk as stored and each block is a run of its leading rows.
+    """
 
     path: str
     shape: tuple[int, ...]
     dtype: np.dtype
     chunk_shape: tuple[int, ...]
+    stored_chunk_shape: tuple[int, ...] | None = None  # None: the same as chunk_shape
 
     @property
     def grid_shape(self) -> tuple[int, ...]:
-        """The number of chunks along each dimension."""
+        """The number of blocks along each dimension."""
         return tuple(-(-s // c) if c else 1 for s, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def stored_chunks(self) -> tuple[int, ...]:
+        """The shape of one chunk as stored (``chunk_shape`` unless blocks are sub-blocks)."""
+        return self.chunk_shape if self.stored_chunk_shape is None else self.stored_chunk_shape
 
     @property
     def nbytes(self) -> int:

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -44,6 +44,7 @@ from cacheflow_jax._prefetch import (
 )
 from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
 from cacheflow_jax._slab import make_device_tier
+from cacheflow_jax._store import TensorStoreStore, fit_blocks
 from cacheflow_jax._tiers import (
     PRESENT,
     AbstractTier,
@@ -124,6 +125,12 @@ class TieredCache:
       line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
         power of two dividing the store's chunk sizes, within 4-64 KiB (see
         `cacheflow_jax._slab.default_line_bytes`).
+      block_bytes: the largest block (a `TensorStoreStore` only): a stored chunk larger than
+        this is served as sub-blocks along its leading axis, and ``cache.store`` is then a view
+        of the store with those blocks (`TensorStoreStore.with_block_bytes`). Default:
+        ``device_bytes // 8`` for stores whose chunks their writer did not choose for caching
+        (orbax checkpoints, other zarr3 stores); a store from ``write_store`` keeps its
+        ``chunk_bytes`` blocks.
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
@@ -153,7 +160,9 @@ class TieredCache:
         writeback_bytes: int | None = None,
         device_layout: str = "arrays",
         line_bytes: int | None = None,
+        block_bytes: int | None = None,
     ) -> None:
+        store = fit_blocks(store, device_bytes, block_bytes)
         if tiers is None:
             tiers = [
                 make_device_tier(device_layout, device_bytes, store=store, line_bytes=line_bytes,
@@ -186,6 +195,8 @@ class TieredCache:
         self._check_dtypes = not isinstance(self._tiers[DEVICE], MetadataTier)
         self._writeback_bytes = int(writeback_bytes)
         self.store = store
+        if isinstance(store, TensorStoreStore):
+            store.add_sibling_listener(self._take_siblings)
         self.policy = get_policy(policy)
         if prefetch is not None and not isinstance(prefetch, PrefetchSettings):
             raise TypeError(f"prefetch={prefetch!r} must be a PrefetchSettings or None")
@@ -419,6 +430,47 @@ class TieredCache:
         with self._lock:
             self._tiers[DEVICE].release(nbytes)
             self._notify_room()
+
+    def _take_siblings(self, siblings: Mapping[str, np.ndarray]) -> list[str]:
+        """Keeps sub-blocks read along with a requested one in L2's free room (a prefetch).
+
+        The store calls this when it read a whole chunk for one sub-block (see
+        `TensorStoreStore.add_sibling_listener`). A sibling only takes room nobody holds: it
+        never displaces a resident block, and blocks resident or in transit are skipped.
+
+        Returns:
+          The keys kept.
+        """
+        if len(self._tiers) <= HOST or isinstance(self._tiers[HOST], MetadataTier):
+            return []
+        host = self._tiers[HOST]
+        taken = []
+        with self._lock:
+            for key, view in siblings.items():
+                if key in self._inflight or key in self._l1 or key in host.entries:
+                    continue
+                if not host.reserve(view.nbytes):
+                    break
+                self._inflight[key] = _Transit()
+                taken.append((key, view, self._inflight[key]))
+        kept = []
+        for key, view, transit in taken:
+            try:
+                value = np.array(view)  # a copy: the view holds the whole chunk's buffer
+            except MemoryError:  # a prefetch is optional: give its room back
+                value = None
+            with self._lock:
+                if value is not None:
+                    host.put_reserved(key, value, view.nbytes)
+                    # A guess like any prefetch: unused, it is the first to leave.
+                    self._planner.insert(HOST, key, self._clock(), view.nbytes, prefetched=True)
+                    kept.append(key)
+                else:
+                    host.release(view.nbytes)
+                del self._inflight[key]
+                self._notify_room()
+            transit.finish()
+        return kept
 
     # --------------------------------------------------------------------- replay (one thread)
 
@@ -1378,6 +1430,7 @@ class TieredCache:
             "prefetch": prefetch,
             "policy": policy,
             "tiers": tiers,
+            **({"l3": self.store.read_stats()} if isinstance(self.store, TensorStoreStore) else {}),
         }
 
     def check_budgets(self) -> None:

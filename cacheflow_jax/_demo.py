@@ -349,7 +349,10 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
         f"({config.weight_bytes / MiB:.1f} MiB of weights) at {step_dir}"
         + (f" in {time.perf_counter() - t_build:.1f} s" if built else "")
     )
-    tree = restore_lazy(step_dir, device_bytes=device_bytes, host_bytes=host_bytes)
+    # One block per expert matrix (the checkpoint's chunks), whatever the budgets.
+    tree = restore_lazy(
+        step_dir, device_bytes=device_bytes, host_bytes=host_bytes, block_bytes=largest
+    )
     cache: TieredCache = tree["layers"]["0"]["router"].cache
     store = cache.store
     steps = settings.warmup + settings.requests

@@ -25,10 +25,32 @@ if TYPE_CHECKING:
     from cacheflow_jax._store import TensorStoreStore, _Entry
 
 
+# TensorStore reports a chunk it cannot decode (truncated, or damaged compressed data) as
+# FAILED_PRECONDITION with the decoder's reason, and a value shorter than its recorded size (a
+# truncated OCDBT data file) as OUT_OF_RANGE; both mean the stored bytes are damaged.
+_UNDECODABLE = (
+    "Not enough data",
+    "compress",
+    "decod",
+    "Decod",
+    "Invalid",
+    "Truncated",
+    "truncated",
+    "corrupt",
+)
+
+
+def _corrupt_status(msg: str) -> bool:
+    """True if a TensorStore error message says that stored bytes are damaged."""
+    if "DATA_LOSS" in msg or "OUT_OF_RANGE" in msg:
+        return True
+    return "FAILED_PRECONDITION" in msg and any(m in msg for m in _UNDECODABLE)
+
+
 def _translate(err: BaseException, key: str, store: str, where: str) -> BaseException:
     """Maps a TensorStore error for block ``key`` to a cacheflow error."""
     msg = str(err)
-    if "DATA_LOSS" in msg:
+    if _corrupt_status(msg):
         return CorruptBlockError(
             f"block {key!r} in store {store} is corrupt ({where}): {msg}. {HOW_TO_REPAIR}."
         )
@@ -139,11 +161,22 @@ class VerifiedChunkFuture(StoreFuture):
         entry = self._entry
         got = chunk_crc32c(raw, entry.chunk_shape)
         if got != entry.crc:
+            if entry.covers == "block":
+                # A checkpoint manifest (cacheflow verify): CRCs of the decoded chunks.
+                why = (
+                    "the checkpoint's chunk manifest (written by `cacheflow verify`) records "
+                    f"0x{entry.crc:08x} for this chunk: its bytes changed after they were "
+                    "recorded. Restore the checkpoint from a copy or save it again (then run "
+                    "`cacheflow verify --update`)"
+                )
+            else:
+                why = (
+                    f"the store's chunk manifest records 0x{entry.crc:08x} for this chunk (a "
+                    f"chunk file swapped or replaced by another). {HOW_TO_REPAIR}"
+                )
             raise CorruptBlockError(
                 f"block {self._key!r} in store {self._store} is corrupt ({self._where}): "
-                f"DATA_LOSS: its bytes have crc32c 0x{got:08x}, but the store's chunk manifest "
-                f"records 0x{entry.crc:08x} for this chunk (a chunk file swapped or replaced by "
-                f"another). {HOW_TO_REPAIR}."
+                f"DATA_LOSS: its bytes have crc32c 0x{got:08x}, but {why}."
             )
         return raw
 

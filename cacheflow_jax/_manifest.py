@@ -84,3 +84,61 @@ def decode_manifest(data: bytes, where: str) -> dict[str, list[int]]:
             f"the chunk manifest {where} is damaged ({err}). {HOW_TO_REPAIR}"
         ) from None
     return arrays
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint manifests (``cacheflow verify``)
+
+CHECKPOINT_MANIFEST_FORMAT = """\
+A checkpoint's chunk manifest (``<checkpoint directory>.cacheflow-manifest.json`` beside it) is
+JSON: {"version": 1, "algorithm": "crc32c", "covers": "block", "fingerprint": "<hex>",
+"arrays": {"<array path>": [crc, ...]}}. Each CRC-32C covers one stored chunk's elements
+within the array (clipped at its edge), C order, little endian, as decoded: so it holds for any
+codec (orbax compresses with zstd) and is checked against what TensorStore decodes. The
+fingerprint (a SHA-256 digest of the item's ``_METADATA`` and ``manifest.ocdbt``) ties it to one
+save of the checkpoint: a checkpoint saved again under the same name is refused until it is
+verified again.
+"""
+
+
+class CheckpointManifest:
+    """A decoded checkpoint manifest: its fingerprint and each array's chunk CRCs."""
+
+    __slots__ = ("fingerprint", "arrays")
+
+    def __init__(self, fingerprint: str, arrays: dict[str, list[int]]) -> None:
+        self.fingerprint = fingerprint
+        self.arrays = arrays
+
+
+def encode_checkpoint_manifest(arrays: Mapping[str, Sequence[int]], fingerprint: str) -> bytes:
+    """Serializes a checkpoint manifest (see ``CHECKPOINT_MANIFEST_FORMAT``)."""
+    doc = {
+        "version": _VERSION,
+        "algorithm": "crc32c",
+        "covers": "block",
+        "fingerprint": fingerprint,
+        "arrays": {k: list(v) for k, v in arrays.items()},
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_checkpoint_manifest(data: bytes, where: str) -> CheckpointManifest:
+    """Parses a checkpoint manifest; a damaged one is a `StoreError` naming ``where``."""
+    try:
+        doc = json.loads(data)
+        if doc.get("covers") != "block":
+            raise ValueError(f"covers={doc.get('covers')!r}, expected 'block'")
+        arrays = decode_manifest(data, where)
+        fingerprint = str(doc["fingerprint"])
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise StoreError(
+            f"the chunk manifest {where} is damaged ({err}); run `cacheflow verify` on the "
+            "checkpoint again (with --update) to record it anew"
+        ) from None
+    return CheckpointManifest(fingerprint, arrays)
+
+
+def block_crc32c(block: np.ndarray) -> int:
+    """The CRC-32C a checkpoint manifest records for a chunk (clipped, as decoded)."""
+    return chunk_crc32c(block, np.shape(block))

@@ -1,32 +1,35 @@
 """The L3 store: TensorStore arrays (zarr3 stores and orbax checkpoints) read block by block.
 
-Design note. A block is one chunk of one stored array, so a block read is exactly one chunk read
-in TensorStore: no read amplification, and the chunk's own checksum covers the whole block. The
-store is opened once: it lists the arrays, opens every array handle concurrently and builds a
-``key -> (BlockInfo, handle, slices)`` table, so ``info`` is a dict lookup and ``read`` is one
-indexing of an open handle plus ``.read()``. Nothing is cached here: L2 is the host cache, so
-TensorStore's ``cache_pool`` is set to 0 bytes (see ``_locations._CONTEXT_SPEC``).
+Design note. A block is one stored chunk of one array, or, for a chunk larger than the store's
+``block_bytes``, a run of its leading rows (a sub-block, see ``_subblocks``). The store is opened
+once: it lists the arrays, opens every array handle concurrently and builds a
+``key -> entry`` table (info, handle, slices, chunk file), so ``info`` is a dict lookup and
+``read`` is one indexing of an open handle plus ``.read()``. Nothing is cached here: L2 is the
+host cache, so TensorStore's ``cache_pool`` is set to 0 bytes (see ``_locations._CONTEXT_SPEC``).
 
 The store is split by concern:
 
 * ``_locations``: paths, URLs and kvstore specs, and the TensorStore context;
 * ``_futures``: the futures every operation returns (one base class);
 * ``_fastread``: the fast read path for zarr3 chunk files with a crc32c codec;
-* ``_runtime_blocks``: the file format of runtime blocks (KV blocks);
-* ``_orbax_open``: opening an orbax checkpoint in place;
-* this module: the block table (`TensorStoreStore`), opening a cacheflow store, `write_store`.
+* ``_subblocks``: sub-blocks of large chunks, partial and shared chunk reads, read counters;
+* ``_runtime_blocks`` and ``_runtime_store``: runtime blocks (KV blocks), their file format and
+  the writable location they go to;
+* ``_manifest``: chunk manifests (CRC-32C of every chunk);
+* ``_orbax_open``: opening an orbax checkpoint in place, ``CheckpointManager`` steps;
+* this module: the block table (`TensorStoreStore`), opening a store, `write_store`.
 
-Three kinds of location are understood by :func:`open_store`:
+What :func:`open_store` understands:
 
 * a cacheflow store: zarr3 arrays under a root (written by :func:`write_store`, or any zarr3
   hierarchy); the array path is the array's directory relative to the root, ``/``-separated;
-* an orbax checkpoint (an item directory holding ``_METADATA`` / ``manifest.ocdbt``, or a
-  ``CheckpointManager`` step directory holding exactly one item), read in place through the
-  ``ocdbt`` kvstore; the array path is the orbax tree path joined with ``/`` (``layers/0/w``);
+* an orbax checkpoint (an item directory holding ``_METADATA`` / ``manifest.ocdbt``, a
+  ``CheckpointManager`` step directory holding one item, or the manager's root, whose latest
+  step is opened), read in place through the ``ocdbt`` kvstore; the array path is the orbax tree
+  path joined with ``/`` (``layers/0/w``);
 * runtime blocks (keys without ``@``, e.g. KV blocks) written with :meth:`TensorStoreStore.write`
-  into ``_runtime/`` under the root, one small self-describing file per block (see
-  ``_runtime_blocks._RUNTIME_FORMAT``). They are found again on open by listing that prefix; their
-  headers are read lazily, on the first ``info`` of each.
+  under ``_runtime/`` of the store's runtime location: the store itself for a cacheflow store, a
+  separate one for a checkpoint, which is never written (``_runtime_store``).
 
 :meth:`TensorStoreStore.tree` returns the stored pytree's skeleton (nested dicts and lists whose
 leaves are array paths), shaped like ``ocp.StandardCheckpointer().restore(path)`` for orbax
@@ -35,16 +38,18 @@ checkpoints and like the tree given to :func:`write_store` for cacheflow stores.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import os
 import shutil
 import threading
 import types
-import urllib.parse
 import uuid
+import weakref
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +77,10 @@ from cacheflow_jax._futures import (
     ChunkFuture,
     Deadline,
     FastChunkFuture,
-    ReadyFuture,
-    RuntimeReadFuture,
     StoreFuture,
     VerifiedChunkFuture,
     WriteFuture,
     _result,
-    _thread_pool,
-    _translate,
     _wait_all,
 )
 from cacheflow_jax._locations import (
@@ -97,21 +98,36 @@ from cacheflow_jax._manifest import (
     MANIFEST_NAME,
     array_crcs,
     chunk_crc32c,
+    decode_checkpoint_manifest,
     decode_manifest,
     encode_manifest,
 )
-from cacheflow_jax._orbax_open import ORBAX_MARKERS, _open_orbax
-from cacheflow_jax._runtime_blocks import (
-    _RUNTIME_MIN_HEADER,
-    _RUNTIME_PREFIX,
-    _RUNTIME_SUFFIX,
-    _atomic_write_file,
-    _encode_runtime,
-    _numeric,
-    _parse_runtime_header,
-    _remove_stale_temporaries,
-    _runtime_name,
-    check_runtime_key,
+from cacheflow_jax._orbax_open import (
+    ORBAX_MARKERS,
+    STEP_MARKER,
+    _open_orbax,
+    checkpoint_fingerprint,
+    find_steps,
+    manifest_label,
+    manifest_location,
+    parent_location,
+)
+from cacheflow_jax._runtime_blocks import _RUNTIME_PREFIX, _numeric
+from cacheflow_jax._runtime_store import (
+    RuntimeArea,
+    clean_local,
+    default_runtime_dir,
+    runtime_keys,
+)
+from cacheflow_jax._subblocks import (
+    ChunkRead,
+    PartialRange,
+    PartialReadFuture,
+    ReadCounters,
+    SiblingListener,
+    SubBlockFuture,
+    raw_chunk_layout,
+    sub_block_shape,
 )
 
 __all__ = ["TensorStoreStore", "chunk_shape_for", "open_store", "write_store"]
@@ -127,18 +143,16 @@ _HOW_TO_CREATE = (
     "an orbax checkpoint directory"
 )
 _HOW_TO_LIST = "list the store's keys with store.keys() or `cacheflow inspect <store>`"
-# Write-backs run on their own threads (a write and its read-back block one thread each).
-_WRITE_THREADS = 8
 
 
 class _Entry:
-    """One chunk block: its info, the open array handle and its index expression; for the fast
-    path also its chunk file's kvstore key, the array's chunk layout and the edge clipping; and
-    the chunk's CRC-32C from the store's manifest, if it has one."""
+    """One block: its info, the open array handle and its index expression; for the fast path
+    also its chunk file's path, the chunk layout and the edge clipping; the chunk's CRC-32C from
+    a chunk manifest, if there is one; and, for a sub-block, the stored chunk it is cut from."""
 
     __slots__ = (
         "info", "handle", "index", "where", "view", "fast", "fast_key", "clip", "crc",
-        "chunk_shape",
+        "chunk_shape", "covers", "chunk", "within", "partial", "subs", "index_in_chunks",
     )  # fmt: skip
 
     def __init__(self, info: BlockInfo, handle: ts.TensorStore, index: tuple, where: str) -> None:
@@ -150,12 +164,20 @@ class _Entry:
         self.fast: _FastArray | None = None
         self.fast_key: str | None = None  # the chunk file's absolute path
         self.clip: tuple[slice, ...] | None = None  # the block within its chunk, if smaller
-        self.crc: int | None = None  # the manifest's CRC-32C of the chunk's stored payload
+        self.crc: int | None = None  # the manifest's CRC-32C of the chunk
+        # The shape the manifest's CRC covers: the full chunk (write_store's manifests, edge
+        # chunks padded with the fill value) or the block itself (checkpoint manifests).
         self.chunk_shape: tuple[int, ...] = info.shape
+        self.covers = "chunk"  # what the manifest's CRC covers: "chunk", or "block" (decoded)
+        self.chunk: _Entry | None = None  # a sub-block's whole stored chunk
+        self.within: tuple[slice, ...] = ()  # a sub-block's elements within its chunk
+        self.partial: PartialRange | None = None  # a sub-block readable as one byte range
+        self.subs: list[_Entry] = []  # a whole chunk's sub-blocks
+        self.index_in_chunks: tuple[int, ...] = info.index  # the stored chunk's grid index
 
 
 class TensorStoreStore:
-    """The L3 store over TensorStore: chunks of zarr3 / orbax arrays plus runtime blocks.
+    """The L3 store over TensorStore: blocks of zarr3 / orbax arrays plus runtime blocks.
 
     Build one with :func:`open_store` or :func:`write_store`. Thread-safe: reads touch only
     immutable tables; runtime writes update the runtime table under a lock.
@@ -173,33 +195,55 @@ class TensorStoreStore:
         tree_paths: Mapping[str, tuple[KeyKind, ...]],
         empty_nodes: Mapping[tuple[KeyKind, ...], Any],
         value_types: Mapping[str, str],
-        runtime_keys: Iterable[str],
+        runtime: RuntimeArea,
         source: str,
         fast_arrays: Mapping[str, _FastArray] | None = None,
         chunk_crcs: Mapping[str, Sequence[int]] | None = None,
+        crc_covers: str = "chunk",
+        raw_layouts: Mapping[str, Any] | None = None,
         context: ts.Context | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
-        read_only: bool = False,
+        block_bytes: int | None = None,
+        writer_chose_chunks: bool = False,
+        steps: Sequence[int] = (),
+        step: int | None = None,
+        manifest: str | None = None,
+        manifest_at: tuple[dict[str, Any], str, str] | None = None,
+        checkpoint_item: tuple[str, bytes] | None = None,
     ) -> None:
         """Builds the block table; use :func:`open_store` instead of calling this.
 
         ``fast_arrays`` names the arrays whose chunk files are read directly (see :meth:`read`);
-        ``chunk_crcs`` is the store's chunk manifest (see ``_manifest``), checked on every read.
-        ``timeout`` bounds the store's own blocking calls (runtime headers, write-backs).
+        ``chunk_crcs`` is a chunk manifest (see ``_manifest``), checked on every read, whose CRCs
+        cover each full chunk (``crc_covers="chunk"``) or each chunk clipped at the array's edge
+        (``"block"``). ``raw_layouts`` names arrays whose chunks are raw bytes (sub-blocks are
+        then read as byte ranges). ``timeout`` bounds the store's own blocking calls.
         """
+        self._parts = {k: v for k, v in locals().items() if k not in ("self", "block_bytes")}
         self._label = label
         self._context = context or _CONTEXT
         self._timeout = timeout
-        self._read_only = read_only
         self._kv = kvstore
         self._kv_spec = dict(kvstore_spec)
-        self._arrays = dict(arrays)
         self._handles = dict(handles)
         self._tree_paths = dict(tree_paths)
         self._empty_nodes = dict(empty_nodes)
         self._value_types = dict(value_types)
         self._source = source
+        self._rt = runtime
+        self._block_bytes = block_bytes
+        self._writer_chose_chunks = writer_chose_chunks
+        self._steps = tuple(steps)
+        self._step = step
+        self._manifest = manifest
+        self._manifest_at = manifest_at
+        self._checkpoint_item = checkpoint_item  # (item prefix, its _METADATA bytes)
+        self._counters = ReadCounters()
+        self._listeners: list[Any] = []
+        self._chunk_reads: dict[int, ChunkRead] = {}
+        self._reads_lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._arrays: dict[str, ArrayInfo] = {}
         # The fast path reads chunk files directly, so only stores on the file driver take it:
         # other kvstores hand bytes to Python through ts.KvStore.ReadResult.value, which copies
         # twice and is slower than TensorStore's own zarr decode (measured on memory://).
@@ -207,44 +251,118 @@ class TensorStoreStore:
         root = os.path.abspath(root) if root is not None else None
         self._root = root  # the local directory of a file store, else None
         fast_arrays = (fast_arrays or {}) if root is not None else {}
-        for path, arr in self._arrays.items():
-            handle = self._handles[path]
-            fast = fast_arrays.get(path)
-            crcs = iter((chunk_crcs or {}).get(path) or ())
-            for idx in np.ndindex(*arr.grid_shape):
-                origin = tuple(i * c for i, c in zip(idx, arr.chunk_shape, strict=True))
-                shape = tuple(
-                    min(c, s - o)
-                    for c, s, o in zip(arr.chunk_shape, arr.shape, origin, strict=True)
-                )
-                key = block_key(path, idx)
-                info = BlockInfo(
-                    key=key,
-                    shape=shape,
-                    dtype=arr.dtype,
-                    nbytes=int(np.prod(shape, dtype=np.int64)) * arr.dtype.itemsize,
-                    array=path,
-                    index=tuple(int(i) for i in idx),
-                    origin=origin,
-                )
-                index = tuple(slice(o, o + s) for o, s in zip(origin, shape, strict=True))
-                entry = self._entries[key] = _Entry(
-                    info, handle, index, chunk_where[path](info.index)
-                )
-                entry.crc = next(crcs, None)
-                entry.chunk_shape = arr.chunk_shape
-                if fast is not None and info.nbytes > 0:
-                    entry.fast = fast
-                    entry.fast_key = os.path.join(root, path, fast.name(info.index))
-                    if shape != fast.chunk_shape:
-                        entry.clip = tuple(slice(0, n) for n in shape)
+        for path, arr in arrays.items():
+            self._add_array(
+                path,
+                arr,
+                chunk_where[path],
+                fast_arrays.get(path),
+                list((chunk_crcs or {}).get(path) or ()),
+                crc_covers,
+                (raw_layouts or {}).get(path),
+            )
         self._chunk_keys = tuple(self._entries)
-        self._lock = threading.Lock()
-        # key -> BlockInfo, or None until its header is read (blocks found by listing on open).
-        self._runtime: dict[str, BlockInfo | None] = dict.fromkeys(runtime_keys)
-        # key -> (write future, value) for writes still in flight; reads are answered from value.
-        self._pending: dict[str, tuple[Any, np.ndarray]] = {}
-        self._keys_cache: tuple[str, ...] | None = None
+        self._keys_cache: tuple[int, tuple[str, ...]] | None = None
+
+    def _add_array(
+        self,
+        path: str,
+        arr: ArrayInfo,
+        chunk_where: Callable[[tuple[int, ...]], str],
+        fast: _FastArray | None,
+        crcs: list[int],
+        crc_covers: str,
+        raw: Any,
+    ) -> None:
+        """Adds one array's blocks (sub-blocks of its chunks if they exceed the block size)."""
+        handle = self._handles[path]
+        stored = arr.chunk_shape
+        stored_grid = arr.grid_shape
+        block = stored
+        if self._block_bytes is not None and arr.shape:
+            block = sub_block_shape(stored, arr.dtype.itemsize, self._block_bytes, stored_grid)
+        self._arrays[path] = ArrayInfo(
+            path=path,
+            shape=arr.shape,
+            dtype=arr.dtype,
+            chunk_shape=block,
+            stored_chunk_shape=stored,
+        )
+        chunks: dict[tuple[int, ...], _Entry] = {}
+        for n, idx in enumerate(np.ndindex(*stored_grid)):
+            entry = self._make_entry(path, arr, stored, idx, handle, chunk_where, fast)
+            entry.crc = crcs[n] if n < len(crcs) else None
+            if crc_covers == "block":
+                entry.chunk_shape = entry.info.shape
+                entry.covers = "block"
+            chunks[entry.info.index] = entry
+        if block == stored:
+            for entry in chunks.values():
+                self._entries[entry.info.key] = entry
+            return
+        for chunk in chunks.values():
+            chunk.info = dataclasses.replace(
+                chunk.info, key=f"{path} (stored chunk {','.join(map(str, chunk.info.index))})"
+            )
+        block_grid = tuple(-(-s // b) for s, b in zip(arr.shape, block, strict=True))
+        for idx in np.ndindex(*block_grid):
+            origin = tuple(i * b for i, b in zip(idx, block, strict=True))
+            shape = tuple(min(b, s - o) for b, s, o in zip(block, arr.shape, origin, strict=True))
+            key = block_key(path, idx)
+            info = BlockInfo(
+                key=key,
+                shape=shape,
+                dtype=arr.dtype,
+                nbytes=int(np.prod(shape, dtype=np.int64)) * arr.dtype.itemsize,
+                array=path,
+                index=tuple(int(i) for i in idx),
+                origin=origin,
+            )
+            cidx = tuple(o // c for o, c in zip(origin, stored, strict=True))
+            chunk = chunks[cidx]
+            index = tuple(slice(o, o + s) for o, s in zip(origin, shape, strict=True))
+            entry = self._entries[key] = _Entry(info, handle, index, chunk.where)
+            entry.chunk = chunk
+            entry.index_in_chunks = cidx
+            entry.within = tuple(
+                slice(o - c * k, o - c * k + s)
+                for o, c, k, s in zip(origin, stored, cidx, shape, strict=True)
+            )
+            chunk.subs.append(entry)
+            if raw is not None and chunk.crc is None and fast is None and info.nbytes:
+                entry.partial = _partial_range(entry, raw, handle, stored, block)
+
+    def _make_entry(
+        self,
+        path: str,
+        arr: ArrayInfo,
+        chunk_shape: tuple[int, ...],
+        idx: tuple[int, ...],
+        handle: ts.TensorStore,
+        chunk_where: Callable[[tuple[int, ...]], str],
+        fast: _FastArray | None,
+    ) -> _Entry:
+        """The entry of one whole stored chunk (clipped at the array's edge)."""
+        origin = tuple(i * c for i, c in zip(idx, chunk_shape, strict=True))
+        shape = tuple(min(c, s - o) for c, s, o in zip(chunk_shape, arr.shape, origin, strict=True))
+        info = BlockInfo(
+            key=block_key(path, idx),
+            shape=shape,
+            dtype=arr.dtype,
+            nbytes=int(np.prod(shape, dtype=np.int64)) * arr.dtype.itemsize,
+            array=path,
+            index=tuple(int(i) for i in idx),
+            origin=origin,
+        )
+        index = tuple(slice(o, o + s) for o, s in zip(origin, shape, strict=True))
+        entry = _Entry(info, handle, index, chunk_where(info.index))
+        entry.chunk_shape = chunk_shape
+        if fast is not None and info.nbytes > 0:
+            entry.fast = fast
+            entry.fast_key = os.path.join(self._root, path, fast.name(info.index))
+            if shape != fast.chunk_shape:
+                entry.clip = tuple(slice(0, n) for n in shape)
+        return entry
 
     # ---- Store protocol
 
@@ -254,14 +372,18 @@ class TensorStoreStore:
         return self._label
 
     def arrays(self) -> Mapping[str, ArrayInfo]:
-        """The stored arrays by path (runtime blocks are not arrays)."""
+        """The stored arrays by path (runtime blocks are not arrays).
+
+        Each `ArrayInfo`'s ``chunk_shape`` is the block shape; ``stored_chunk_shape`` is the
+        chunk as stored (larger when the store serves sub-blocks, see ``block_bytes``).
+        """
         return types.MappingProxyType(self._arrays)
 
     def info(self, key: str) -> BlockInfo:
         """The block's metadata, without reading its data.
 
         Args:
-          key: a chunk key ``"<array path>@<i,j,...>"`` or a runtime block key.
+          key: a block key ``"<array path>@<i,j,...>"`` or a runtime block key.
 
         Returns:
           The block's ``BlockInfo`` (shape clipped at the array edge, origin in elements).
@@ -273,33 +395,31 @@ class TensorStoreStore:
         entry = self._entries.get(key)
         if entry is not None:
             return entry.info
-        with self._lock:
-            if key not in self._runtime:
-                raise self._missing(key)
-            info = self._runtime[key]
+        info = self._rt.info(key)
         if info is None:
-            info = self._load_runtime_info(key)
+            raise self._missing(key)
         return info
 
     def keys(self) -> Sequence[str]:
-        """Every block key: chunks of stored arrays in array order, then runtime blocks."""
-        with self._lock:
-            if self._keys_cache is None:
-                self._keys_cache = self._chunk_keys + tuple(self._runtime)
-            return self._keys_cache
+        """Every block key: blocks of stored arrays in array order, then runtime blocks."""
+        cached = self._keys_cache
+        version = self._rt.version
+        if cached is None or cached[0] != version:
+            cached = self._keys_cache = (version, self._chunk_keys + self._rt.keys())
+        return cached[1]
 
     def read(self, key: str) -> StoreFuture:
         """Starts reading one block.
-
-        Args:
-          key: a key from :meth:`keys`.
 
         Chunks of zarr3 arrays on local disk whose codecs are exactly ``bytes`` (little endian)
         + ``crc32c`` (every array :func:`write_store` writes) take a fast path: the chunk file
         is read whole into an aligned buffer by a reader thread, its CRC32C is checked there
         (google_crc32c) and the block is a view of that buffer, so no decode copy is made.
         Everything else (orbax checkpoints, other codecs, other kvstores, missing chunk files)
-        is read by TensorStore's zarr driver.
+        is read by TensorStore's zarr driver. A sub-block (see ``block_bytes``) is read as one
+        byte range where its chunk is raw bytes without a checksum, and otherwise cut from one
+        read of its whole chunk (shared with the other sub-blocks asked for meanwhile; the rest
+        go to the sibling listeners, see `add_sibling_listener`).
 
         Args:
           key: a key from :meth:`keys`.
@@ -312,22 +432,21 @@ class TensorStoreStore:
           KeyError: no such block (raised now, not by ``result()``).
         """
         entry = self._entries.get(key)
-        if entry is not None:
-            if entry.fast_key is not None:
-                future = _file_pool().submit(_read_chunk_file, entry, self._label)
-                return FastChunkFuture(future, self, entry)
-            return self._read_ts(entry)
-        with self._lock:
-            if key not in self._runtime:
+        if entry is None:
+            if key not in self._rt:
                 raise self._missing(key)
-            pending = self._pending.get(key)
-        if pending is not None:
-            return ReadyFuture(pending[1], copy=True)
-        name = _runtime_name(key)
-        return RuntimeReadFuture(self._kv.read(name), key, self._label, self._where(name))
+            return self._rt.read(key)
+        if entry.chunk is not None:
+            if entry.partial is None:
+                return self._read_subs([entry])[0]
+            return self._read_partial(entry)
+        self._counters.add(bytes_served=entry.info.nbytes, blocks_served=1)
+        return self._read_whole(entry)
 
     def read_many(self, keys: Sequence[str]) -> list[StoreFuture]:
         """Starts reading many blocks; every read is issued before any is waited on.
+
+        Sub-blocks of one stored chunk share one read of it.
 
         Args:
           keys: keys from :meth:`keys`.
@@ -338,19 +457,29 @@ class TensorStoreStore:
         Raises:
           KeyError: a key is unknown (checked before any read is issued).
         """
+        entries = []
         for key in keys:
-            if key not in self._entries and key not in self._runtime:
+            entry = self._entries.get(key)
+            if entry is None and key not in self._rt:
                 raise self._missing(key)
-        return [self.read(key) for key in keys]
+            entries.append(entry)
+        shared = [e for e in entries if e is not None and e.chunk is not None and not e.partial]
+        futures = dict(zip((e.info.key for e in shared), self._read_subs(shared)))
+        return [
+            futures[key] if key in futures else self.read(key)
+            for key, entry in zip(keys, entries, strict=True)
+        ]
 
     def write(self, key: str, value: np.ndarray | jax.Array) -> WriteFuture:
         """Starts writing a runtime block (for example a KV block) under ``_runtime/``.
 
-        After this returns, ``info(key)``, ``read(key)`` and ``keys()`` see the block. The file
-        is replaced atomically, so a crash leaves either the old block or the new one: on local
-        disk the block goes to a temporary file that is synced and then renamed over the old
-        one; on an object store it is one PUT. The write counts as durable only once the block
-        has been read back from the store and found byte-identical.
+        Runtime blocks go to the store's runtime location (`runtime_spec`): the store itself
+        for a store written by `write_store`, a separate location for an orbax checkpoint,
+        which is never written. After this returns, ``info(key)``, ``read(key)`` and ``keys()``
+        see the block. The file is replaced atomically, so a crash leaves either the old block
+        or the new one: on local disk the block goes to a temporary file that is synced and then
+        renamed over the old one; on an object store it is one PUT. The write counts as durable
+        only once the block has been read back from the store and found byte-identical.
 
         Args:
           key: a non-empty key without ``@`` (chunk keys are read-only); see
@@ -366,53 +495,7 @@ class TensorStoreStore:
           ValueError: ``key`` cannot name a runtime block, ``value`` is not a numeric array,
             or the store is read-only.
         """
-        check_runtime_key(key, self._label)
-        if self._read_only:
-            raise ValueError(
-                f"cannot write runtime block {key!r}: store {self._label} is read-only"
-            )
-        arr = np.array(value, copy=True, order="C")
-        if not _numeric(arr.dtype):
-            raise ValueError(
-                f"cannot write block {key!r}: dtype {arr.dtype} is not a numeric array dtype"
-            )
-        info = BlockInfo(key=key, shape=arr.shape, dtype=arr.dtype, nbytes=arr.nbytes)
-        name = _runtime_name(key)
-        data = _encode_runtime(arr)
-        with self._lock:
-            future = _thread_pool("write", _WRITE_THREADS).submit(self._write_sync, name, data)
-            if key not in self._runtime:
-                self._keys_cache = None
-            self._runtime[key] = info
-            self._pending[key] = (future, arr)
-
-        def _done(f: Any) -> None:
-            with self._lock:
-                if self._pending.get(key, (None,))[0] is f:
-                    del self._pending[key]
-
-        future.add_done_callback(_done)
-        return WriteFuture(future, key, self._label, self._where(name))
-
-    def _write_sync(self, name: str, data: bytes) -> None:
-        """Writes one runtime block file atomically, then reads it back (on a writer thread)."""
-        deadline = Deadline(self._timeout)
-        what = f"writing {self._where(name)}"
-        if self._root is not None:
-            path = os.path.join(self._root, name)
-            _atomic_write_file(path, data)
-            with open(path, "rb") as f:
-                back = f.read()
-        else:
-            _result(self._kv.write(name, data), deadline, what)
-            res = _result(self._kv.read(name), deadline, f"reading back {self._where(name)}")
-            back = res.value if res.state == "value" else None
-        if back != data:
-            got = "nothing" if back is None else f"{len(back)} different bytes"
-            raise StoreError(
-                f"{what}: the store acknowledged the write but reading it back gave {got} "
-                f"(expected {len(data)} bytes); the block stays in memory and is retried"
-            )
+        return self._rt.write(key, value)
 
     # ---- Beyond the protocol
 
@@ -425,6 +508,97 @@ class TensorStoreStore:
     def source(self) -> str:
         """What the store reads: ``"cacheflow"`` (zarr3 arrays) or ``"orbax"`` (a checkpoint)."""
         return self._source
+
+    @property
+    def runtime_spec(self) -> str:
+        """Where runtime blocks are written (see `write`)."""
+        return self._rt.label
+
+    @property
+    def block_bytes(self) -> int | None:
+        """The block size: chunks larger than this are served as sub-blocks (None: never)."""
+        return self._block_bytes
+
+    @property
+    def writer_chose_chunks(self) -> bool:
+        """True for stores written by `write_store`, whose ``chunk_bytes`` set the blocks."""
+        return self._writer_chose_chunks
+
+    @property
+    def step(self) -> int | None:
+        """The step opened, when the store is a ``CheckpointManager`` root or step (else None)."""
+        return self._step
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """Every step of the ``CheckpointManager`` root opened, ascending (else empty)."""
+        return self._steps
+
+    @property
+    def manifest(self) -> str | None:
+        """The chunk manifest checked on every read (its location), or None."""
+        return self._manifest
+
+    @property
+    def manifest_location(self) -> tuple[dict[str, Any], str, str] | None:
+        """Where ``cacheflow verify`` keeps an orbax checkpoint's chunk manifest: (kvstore spec
+        of the directory beside the checkpoint, key, readable location); None otherwise."""
+        return self._manifest_at
+
+    def checkpoint_fingerprint(self) -> str | None:
+        """The fingerprint a chunk manifest of this orbax checkpoint records (None otherwise).
+
+        Raises:
+          StoreError: the checkpoint's ``manifest.ocdbt`` cannot be read.
+        """
+        if self._checkpoint_item is None:
+            return None
+        item, metadata_raw = self._checkpoint_item
+        return checkpoint_fingerprint(self._kv, item, metadata_raw, Deadline(self._timeout))
+
+    def with_block_bytes(self, block_bytes: int | None) -> TensorStoreStore:
+        """The same store with another block size: a view sharing handles and runtime blocks.
+
+        Args:
+          block_bytes: chunks larger than this many bytes are served as sub-blocks along their
+            leading axis (see ``_subblocks``); None serves every chunk whole.
+
+        Returns:
+          ``self`` if the block size is the same, else a new store over the same data.
+
+        Raises:
+          ValueError: ``block_bytes`` is not a positive integer.
+        """
+        block_bytes = check_block_bytes(block_bytes)
+        if block_bytes == self._block_bytes:
+            return self
+        parts = dict(self._parts)
+        parts["arrays"] = {
+            p: dataclasses.replace(a, chunk_shape=a.stored_chunks, stored_chunk_shape=None)
+            for p, a in self._arrays.items()
+        }
+        return TensorStoreStore(block_bytes=block_bytes, **parts)
+
+    def add_sibling_listener(self, listener: SiblingListener) -> None:
+        """Registers a listener for sub-blocks read along with the ones asked for.
+
+        Where a sub-block's chunk must be read whole, the listener gets the chunk's other
+        sub-blocks (key -> read-only view; copy what you keep) once per read, on the thread
+        that takes the first result, and returns the keys it kept (counted in `read_stats`).
+        A bound method is held weakly, so a cache that goes away is dropped.
+        """
+        ref = weakref.WeakMethod(listener) if inspect.ismethod(listener) else (lambda: listener)
+        with self._reads_lock:
+            self._listeners.append(ref)
+
+    def read_stats(self) -> dict[str, Any]:
+        """What the store read from L3 and served (see `ReadCounters.snapshot`).
+
+        ``bytes_read`` counts chunk data as stored before compression (a whole chunk read
+        through TensorStore counts its decoded size; a fast-path file its size; a partial read
+        its byte range).
+        """
+        return self._counters.snapshot()
 
     def handle(self, path: str) -> ts.TensorStore:
         """The open TensorStore handle of array ``path`` (for partial reads across chunks).
@@ -492,6 +666,15 @@ class TensorStoreStore:
 
     # ---- Internals
 
+    def _read_whole(self, entry: _Entry) -> StoreFuture:
+        """Reads a whole stored chunk (the fast path where it applies)."""
+        stored = int(np.prod(entry.chunk_shape, dtype=np.int64)) * entry.info.dtype.itemsize
+        self._counters.add(bytes_read=stored if entry.info.nbytes else 0)
+        if entry.fast_key is not None:
+            future = _file_pool().submit(_read_chunk_file, entry, self._label)
+            return FastChunkFuture(future, self, entry)
+        return self._read_ts(entry)
+
     def _read_ts(self, entry: _Entry) -> ChunkFuture:
         """Reads a chunk block through TensorStore's array driver."""
         view = entry.view
@@ -502,53 +685,129 @@ class TensorStoreStore:
             return VerifiedChunkFuture(view.read(), entry, self._label)
         return ChunkFuture(view.read(), entry.info.key, self._label, entry.where)
 
+    def _read_subs(self, entries: Sequence[_Entry]) -> list[StoreFuture]:
+        """Reads sub-blocks cut from whole chunks: one read per chunk, shared while it runs."""
+        out = []
+        started: list[ChunkRead] = []
+        batch: dict[int, ChunkRead] = {}  # one read per chunk in this call, done or not
+        with self._reads_lock:
+            for entry in entries:
+                chunk = entry.chunk
+                assert chunk is not None
+                read = batch.get(id(chunk)) or self._chunk_reads.get(id(chunk))
+                if read is None or (id(chunk) not in batch and read.done()):
+                    # Issuing a read does not wait for it, so it may happen under the lock.
+                    read = ChunkRead(self._read_whole(chunk), chunk)
+                    self._chunk_reads[id(chunk)] = read
+                    started.append(read)
+                batch[id(chunk)] = read
+                with read.lock:
+                    read.requested.add(entry.info.key)
+                out.append((read, entry))
+        self._counters.add(chunk_reads=len(started))
+        for read in started:
+            read.future.add_done_callback(lambda _f, read=read: self._forget(read))
+        self._counters.add(
+            bytes_served=sum(e.info.nbytes for e in entries), blocks_served=len(entries)
+        )
+        return [SubBlockFuture(read, entry, self) for read, entry in out]
+
+    def _forget(self, read: ChunkRead) -> None:
+        """Drops a finished chunk read from the table of reads to share (its buffer with it)."""
+        with self._reads_lock:
+            if self._chunk_reads.get(id(read.chunk)) is read:
+                del self._chunk_reads[id(read.chunk)]
+
+    def _read_partial(self, entry: _Entry) -> StoreFuture:
+        """Reads a sub-block as one byte range of its raw chunk."""
+        part = entry.partial
+        assert part is not None
+        self._counters.add(
+            bytes_served=entry.info.nbytes,
+            blocks_served=1,
+            partial_reads=1,
+        )
+        future = part.kvstore.read(part.key, byte_range=slice(part.start, part.stop))
+        return PartialReadFuture(future, entry, self)
+
+    def _offer_siblings(self, read: ChunkRead, chunk: np.ndarray) -> None:
+        """Hands the sub-blocks of ``read`` nobody asked for to the listeners (once per read)."""
+        with read.lock:
+            if read.offered:
+                return
+            read.offered = True
+            requested = set(read.requested)
+        with self._reads_lock:
+            listeners = [fn for fn in (ref() for ref in self._listeners) if fn is not None]
+        if not listeners:
+            return
+        siblings = {
+            e.info.key: chunk[e.within] for e in read.chunk.subs if e.info.key not in requested
+        }
+        if not siblings:
+            return
+        self._counters.add(siblings_offered=len(siblings))
+        for listener in listeners:
+            kept = [k for k in listener(siblings) if k in siblings]
+            self._counters.add(
+                siblings_kept=len(kept),
+                siblings_kept_bytes=sum(self._entries[k].info.nbytes for k in kept),
+            )
+
     def _missing(self, key: str) -> KeyError:
         """The KeyError for an unknown key, with a hint on how to find the right one."""
         hint = ""
         if KEY_SEPARATOR in key:
             path = key.rpartition(KEY_SEPARATOR)[0]
-            if path in self._arrays:
-                hint = f" (array {path!r} has chunk grid {self._arrays[path].grid_shape})"
+            arr = self._arrays.get(path)
+            if arr is not None and arr.stored_chunks == arr.chunk_shape:
+                hint = f" (array {path!r} has chunk grid {arr.grid_shape})"
+            elif arr is not None:
+                hint = (
+                    f" (array {path!r} has block grid {arr.grid_shape}: sub-blocks of "
+                    f"{arr.chunk_shape} of its stored chunks {arr.stored_chunks})"
+                )
         return KeyError(f"no block {key!r} in store {self._label}{hint}; {_HOW_TO_LIST}")
 
-    def _where(self, name: str) -> str:
-        """Where kvstore key ``name`` lives, for error messages."""
-        return _location(self._label, name)
 
-    def _load_runtime_info(self, key: str) -> BlockInfo:
-        """Reads a listed runtime block's header (one ranged read) and remembers its info."""
-        name = _runtime_name(key)
-        where = self._where(name)
-        try:
-            deadline = Deadline(self._timeout)
-            what = f"reading the header of {where}"
-            head = self._kv.read(name, byte_range=slice(0, _RUNTIME_MIN_HEADER))
-            res = _result(head, deadline, what)
-            if res.state != "value":
-                raise StoreError(
-                    f"runtime block {key!r} in store {self._label} is listed but its file "
-                    f"{where} is missing; another process may have deleted it"
-                )
-            data = res.value
-            header, size = _parse_runtime_header(data, key, self._label, where)
-            if not header:
-                data = _result(self._kv.read(name, byte_range=slice(0, size)), deadline, what).value
-                header, size = _parse_runtime_header(data, key, self._label, where)
-        except StoreError:
-            raise
-        except Exception as err:
-            raise _translate(err, key, self._label, where) from err
-        shape, dtype = header["shape"], header["dtype"]
-        info = BlockInfo(
-            key=key,
-            shape=shape,
-            dtype=dtype,
-            nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-        )
-        with self._lock:
-            if self._runtime.get(key, info) is None:
-                self._runtime[key] = info
-            return self._runtime.get(key) or info
+def check_block_bytes(block_bytes: Any) -> int | None:
+    """``block_bytes`` as an int, or None; ValueError unless None or a positive integer."""
+    if block_bytes is None:
+        return None
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int | np.integer):
+        raise ValueError(f"block_bytes={block_bytes!r} must be a positive integer number of bytes")
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes={block_bytes} must be > 0 (or None for whole chunks)")
+    return int(block_bytes)
+
+
+def _partial_range(
+    entry: _Entry,
+    raw: tuple[np.dtype, tuple[int, ...], Callable[[tuple[int, ...]], str]],
+    handle: ts.TensorStore,
+    stored: tuple[int, ...],
+    block: tuple[int, ...],
+) -> PartialRange | None:
+    """Where a sub-block's bytes are in its raw chunk (one C-order range), or None."""
+    dtype, chunks, name = raw
+    if tuple(chunks) != tuple(stored):
+        return None
+    split = max(d for d in range(len(stored)) if block[d] < stored[d])
+    item = dtype.itemsize
+    strides = [int(np.prod(stored[d + 1 :], dtype=np.int64)) * item for d in range(len(stored))]
+    start = sum(w.start * s for w, s in zip(entry.within[: split + 1], strides, strict=False))
+    rows = entry.within[split].stop - entry.within[split].start
+    shape = (1,) * split + (rows,) + tuple(stored[split + 1 :])
+    clip = tuple(slice(0, n) for n in entry.info.shape)
+    return PartialRange(
+        handle.kvstore,
+        name(entry.index_in_chunks),
+        start,
+        start + rows * strides[split],
+        dtype,
+        shape,
+        clip,
+    )
 
 
 _KIND = object()  # the tree() builder's tag for a node's key type
@@ -700,7 +959,7 @@ def _open_cacheflow(
     handles = dict(
         zip(paths, _wait_all(futures, f"opening arrays of store {label}", deadline), strict=True)
     )
-    arrays, where, tree_paths, fast = {}, {}, {}, {}
+    arrays, where, tree_paths, fast, raw_layouts = {}, {}, {}, {}, {}
     for p in paths:
         meta, h = found[p], handles[p]
         arrays[p] = ArrayInfo(
@@ -714,6 +973,9 @@ def _open_cacheflow(
         layout = _fast_layout(meta, arrays[p])
         if layout is not None:
             fast[p] = layout
+        raw = raw_chunk_layout(meta, "zarr3")
+        if raw is not None:
+            raw_layouts[p] = raw
         crcs = chunk_crcs.get(p)
         if crcs is not None and len(crcs) != math.prod(arrays[p].grid_shape):
             raise StoreError(
@@ -724,6 +986,8 @@ def _open_cacheflow(
     return {
         "arrays": arrays,
         "fast_arrays": fast,
+        "raw_layouts": raw_layouts,
+        "writer_chose_chunks": every_chunk,
         "chunk_crcs": chunk_crcs,
         "handles": handles,
         "chunk_where": where,
@@ -742,6 +1006,10 @@ def open_store(
     create: bool = False,
     timeout: float | None = DEFAULT_TIMEOUT,
     retries: int = DEFAULT_RETRIES,
+    step: int | None = None,
+    block_bytes: int | None = None,
+    runtime: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    manifest: bool = True,
 ) -> TensorStoreStore:
     """Opens an L3 store: a cacheflow zarr3 store or an orbax checkpoint, read in place.
 
@@ -749,7 +1017,8 @@ def open_store(
       spec_or_path: a local directory; a URL (``file:///abs/dir``, ``memory://name/``,
         ``s3://bucket/prefix``, ``gs://bucket/prefix``); or a TensorStore kvstore spec dict such
         as ``{"driver": "file", "path": "/data/store"}``. An orbax checkpoint may be given as its
-        item directory or as a ``CheckpointManager`` step directory holding one item.
+        item directory, as a ``CheckpointManager`` step directory holding one item, or as the
+        manager's root directory (its latest step is opened, as orbax's ``latest_step``).
       s3_endpoint: S3 endpoint URL (default: env ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``).
       s3_region: S3 region (default: env ``AWS_REGION`` / ``AWS_DEFAULT_REGION``; ``us-east-1``
         when only an endpoint is set).
@@ -760,6 +1029,17 @@ def open_store(
       retries: how often a failed S3/GCS request is retried (0.1 s to 2 s apart) before it
         counts as failed. TensorStore's own default, 32, takes about 11 minutes against a
         dead server.
+      step: the step to open from a ``CheckpointManager`` root (default: the latest).
+      block_bytes: serve stored chunks larger than this many bytes as sub-blocks along their
+        leading axis (see `TensorStoreStore.with_block_bytes`); None (the default) serves
+        chunks whole. `TieredCache` chooses a block size itself (``block_bytes=``).
+      runtime: where runtime blocks (``write``) go: a path, URL or kvstore spec. Default: the
+        store itself for a cacheflow store; for an orbax checkpoint, which is never written,
+        ``$XDG_CACHE_HOME/cacheflow_jax/runtime/<name>-<digest>/`` (``~/.cache`` by default;
+        see ``_runtime_store.default_runtime_dir``).
+      manifest: check every read of an orbax checkpoint against its chunk manifest, where
+        ``cacheflow verify`` recorded one (see `cacheflow_jax.verify_checkpoint`); False ignores
+        it (``cacheflow verify --update`` records a new one).
 
     Returns:
       The opened store.
@@ -767,9 +1047,12 @@ def open_store(
     Raises:
       FileNotFoundError: a local path does not exist (and ``create`` is False).
       StoreError: the location is neither a cacheflow store nor an orbax checkpoint, or cannot
-        be read.
+        be read; ``step`` is not among a root's steps; a checkpoint's chunk manifest is damaged
+        or older than the checkpoint.
       StoreTimeoutError: the store did not answer within ``timeout`` (a `StoreError`).
-      ValueError: an unsupported URL or spec, or a bad ``timeout`` / ``retries``.
+      ValueError: an unsupported URL or spec, a bad ``timeout`` / ``retries`` /
+        ``block_bytes``, or ``step`` given for a location that is not a ``CheckpointManager``
+        root.
 
     >>> store = open_store("memory://demo/", create=True)
     >>> store.keys()
@@ -777,6 +1060,9 @@ def open_store(
     """
     if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
         raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0, or None")
+    block_bytes = check_block_bytes(block_bytes)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+        raise ValueError(f"step={step!r} must be an integer step number, or None for the latest")
     context = store_context(retries)
     deadline = Deadline(timeout)
     kv_spec, label, local = _resolve(spec_or_path, s3_endpoint, s3_region)
@@ -792,38 +1078,81 @@ def open_store(
             raise StoreError(f"{local} is a file, not a store directory. {_HOW_TO_CREATE}")
     kv = _open_kvstore(kv_spec, label, context=context, deadline=deadline)
     keys = _list(kv, label, deadline)
-    if local is not None:
-        _remove_stale_temporaries(str(local / _RUNTIME_PREFIX))
-    runtime = [
-        urllib.parse.unquote(k[len(_RUNTIME_PREFIX) : -len(_RUNTIME_SUFFIX)])
-        for k in keys
-        if k.startswith(_RUNTIME_PREFIX) and k.endswith(_RUNTIME_SUFFIX)
-    ]
+    runtime_here = runtime_keys(keys)
     data_keys = [k for k in keys if not k.startswith(_RUNTIME_PREFIX)]
     items = sorted(
-        {k.split("/")[0] for k in data_keys if k.count("/") == 1 and k.endswith(ORBAX_MARKERS)}
+        {
+            k.split("/")[0]
+            for k in data_keys
+            if k.count("/") == 1 and k.split("/")[1] in ORBAX_MARKERS
+        }
     )
     has_zarr = any(k == "zarr.json" or k.endswith("/zarr.json") for k in data_keys)
-    if any(m in data_keys for m in ORBAX_MARKERS):
-        parts = _open_orbax(kv, kv_spec, label, "", data_keys, context=context, deadline=deadline)
-    elif len(items) == 1 and not has_zarr:
-        parts = _open_orbax(
-            kv, kv_spec, label, items[0] + "/", data_keys, context=context, deadline=deadline
+    steps = (
+        find_steps(data_keys)
+        if not items and not any(m in data_keys for m in ORBAX_MARKERS)
+        else {}
+    )
+    if step is not None and not steps:
+        raise ValueError(
+            f"step={step} was given, but {label} is not a CheckpointManager root (it has no "
+            "step directories); pass the root, or drop step="
         )
+    item = None
+    if any(m in data_keys for m in ORBAX_MARKERS):
+        item = ""
+    elif len(items) == 1 and not has_zarr:
+        item = items[0] + "/"
     elif len(items) > 1 and not has_zarr:
         raise StoreError(
             f"{label} is an orbax step directory with {len(items)} items {items}; open one item "
             f"directory, e.g. {label.rstrip('/')}/{items[0]}"
         )
+    elif steps:
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise StoreError(
+                f"{label} has no step {step}; its steps are {sorted(steps)}. Pass one of them, "
+                "or omit step= for the latest"
+            )
+        item = steps[step]
+        if not item:
+            raise StoreError(
+                f"step {step} of {label} holds several orbax items; open one item directory, "
+                f"e.g. {label.rstrip('/')}/{step}/<item>"
+            )
+    if item is not None:
+        parts = _open_orbax(kv, kv_spec, label, item, data_keys, context=context, deadline=deadline)
+        if steps:
+            label = f"{label.rstrip('/')}/{step}"
+        parts.update(
+            _checkpoint_manifest(
+                kv,
+                kv_spec,
+                label,
+                item,
+                steps or None,
+                step,
+                parts,
+                context,
+                deadline,
+                check=manifest,
+            )
+        )
+        parts["checkpoint_item"] = (item, parts.pop("metadata_raw"))
+        rt = _runtime_area(runtime, label, s3_endpoint, s3_region, context, deadline, own=None)
     elif has_zarr:
         parts = _open_cacheflow(kv, kv_spec, label, data_keys, context=context, deadline=deadline)
+        own = (kv, label, str(local) if local is not None else None, runtime_here)
+        rt = _runtime_area(runtime, label, s3_endpoint, s3_region, context, deadline, own=own)
     elif data_keys:
         raise StoreError(
             f"{label} is neither a cacheflow store (no zarr.json arrays) nor an orbax "
             f"checkpoint (no _METADATA or manifest.ocdbt); it holds {len(data_keys)} other files, "
             f"e.g. {data_keys[:3]}. {_HOW_TO_CREATE}"
         )
-    elif not runtime and not create:
+    elif not runtime_here and not create:
         raise StoreError(
             f"store {label} is empty. {_HOW_TO_CREATE}, or pass create=True for an empty store "
             "of runtime blocks"
@@ -838,15 +1167,103 @@ def open_store(
             "value_types": {},
             "source": "cacheflow",
         }
+        own = (kv, label, str(local) if local is not None else None, runtime_here)
+        rt = _runtime_area(runtime, label, s3_endpoint, s3_region, context, deadline, own=own)
     return TensorStoreStore(
         label=label,
         kvstore=kv,
         kvstore_spec=kv_spec,
-        runtime_keys=runtime,
+        runtime=rt,
         context=context,
         timeout=timeout,
+        block_bytes=block_bytes,
+        steps=tuple(sorted(steps)),
+        step=step if steps else None,
         **parts,
     )
+
+
+def _runtime_area(
+    runtime: Any,
+    label: str,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    context: ts.Context,
+    deadline: Deadline,
+    *,
+    own: tuple[ts.KvStore, str, str | None, list[str]] | None,
+) -> RuntimeArea:
+    """The runtime area of a store: ``runtime`` if given, else its own location (``own``), else
+    (a read-only checkpoint) the default one in the user's cache folder."""
+    timeout = deadline.seconds
+    if runtime is None and own is not None:
+        kv, where, root, keys = own
+        if root is not None:
+            clean_local(root)
+        return RuntimeArea(kvstore=kv, label=where, root=root, keys=keys, timeout=timeout)
+    if runtime is None:
+        runtime = default_runtime_dir(label)
+    rt_spec, rt_label, rt_local = _resolve(runtime, s3_endpoint, s3_region)
+    rt_kv = _open_kvstore(rt_spec, rt_label, context=context, deadline=deadline)
+    # A runtime location that does not exist yet lists nothing; it is made by the first write.
+    keys = runtime_keys(_list(rt_kv, rt_label, deadline))
+    root = str(rt_local) if rt_local is not None else None
+    if root is not None:
+        clean_local(root)
+    return RuntimeArea(kvstore=rt_kv, label=rt_label, root=root, keys=keys, timeout=timeout)
+
+
+def _checkpoint_manifest(
+    kv: ts.KvStore,
+    kv_spec: Mapping[str, Any],
+    label: str,
+    item: str,
+    steps: Mapping[int, str] | None,
+    step: int | None,
+    parts: Mapping[str, Any],
+    context: ts.Context,
+    deadline: Deadline,
+    *,
+    check: bool,
+) -> dict[str, Any]:
+    """Where a checkpoint's chunk manifest (``cacheflow verify``) goes, and, with ``check``,
+    the manifest itself if there is one (checked against the checkpoint), as store parts."""
+    in_step = False
+    if steps is None and item == "":
+        # An item directory opened directly: is it inside a CheckpointManager step?
+        up = parent_location(kv_spec)
+        if up is not None:
+            parent = _open_kvstore(up[0], label, context=context, deadline=deadline)
+            got = _result(parent.read(STEP_MARKER), deadline, f"reading beside {label}")
+            in_step = got.state == "value"
+    beside = manifest_location(kv_spec, item, steps, step, in_step)
+    if beside is None:
+        return {}
+    spec, name = beside
+    where = manifest_label(spec, name)
+    found = {"manifest_at": (spec, name, where)}
+    if not check:
+        return found
+    holder = _open_kvstore(spec, where, context=context, deadline=deadline)
+    res = _result(holder.read(name), deadline, f"reading the chunk manifest {where}")
+    if res.state != "value":
+        return found
+    manifest = decode_checkpoint_manifest(bytes(res.value), where)
+    fingerprint = checkpoint_fingerprint(kv, item, parts["metadata_raw"], deadline)
+    if manifest.fingerprint != fingerprint:
+        raise StoreError(
+            f"the chunk manifest {where} was made for another version of checkpoint {label} "
+            "(the checkpoint was saved again after `cacheflow verify` recorded it); run "
+            f"`cacheflow verify {label} --update` to record the checkpoint as it is now"
+        )
+    arrays = parts["arrays"]
+    for path, crcs in manifest.arrays.items():
+        if path not in arrays or len(crcs) != math.prod(arrays[path].grid_shape):
+            raise StoreError(
+                f"the chunk manifest {where} does not match checkpoint {label} (array {path!r}); "
+                f"run `cacheflow verify {label} --update`"
+            )
+    return {**found, "chunk_crcs": manifest.arrays, "crc_covers": "block", "manifest": where}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1087,3 +1504,47 @@ def _write_arrays(
     _wait_all([kv.write(MANIFEST_NAME, manifest)], f"writing {label}/{MANIFEST_NAME}")
     root = group(True, fingerprints, manifest)
     _wait_all([kv.write("zarr.json", root)], f"writing {label}/zarr.json")
+
+
+# The default block size of a cache over a store whose chunks nobody chose for caching (an orbax
+# checkpoint): this fraction of the L1 budget, so that L1 holds at least this many blocks.
+DEFAULT_BLOCKS_PER_L1 = 8
+
+
+def fit_blocks(store: Any, device_bytes: Any, block_bytes: int | None) -> Any:
+    """The store a `TieredCache` with L1 budget ``device_bytes`` serves (see its ``block_bytes``).
+
+    Returns ``store`` itself unless a chunk is larger than the block size, else its view with
+    sub-blocks (`TensorStoreStore.with_block_bytes`).
+
+    Raises:
+      ValueError: ``block_bytes`` is not a positive integer, or is given for a store that is
+        not a `TensorStoreStore`.
+    """
+    block_bytes = check_block_bytes(block_bytes)
+    if not isinstance(store, TensorStoreStore):
+        if block_bytes is not None:
+            raise ValueError(
+                f"block_bytes={block_bytes} applies to stores from open_store/write_store; "
+                f"{type(store).__name__} {store.spec} cannot cut its blocks"
+            )
+        return store
+    if block_bytes is None:
+        if store.block_bytes is not None or store.writer_chose_chunks:
+            return store
+        if isinstance(device_bytes, bool) or not isinstance(device_bytes, int | np.integer):
+            return store  # the cache reports the bad budget
+        if device_bytes < DEFAULT_BLOCKS_PER_L1:
+            return store
+        block_bytes = int(device_bytes) // DEFAULT_BLOCKS_PER_L1
+    largest = max(
+        (
+            math.prod(min(c, n) for c, n in zip(a.stored_chunks, a.shape)) * a.dtype.itemsize
+            for a in store.arrays().values()
+            if a.shape
+        ),
+        default=0,
+    )
+    if largest <= block_bytes and store.block_bytes is None:
+        return store
+    return store.with_block_bytes(block_bytes)

@@ -96,15 +96,17 @@ def _human(nbytes: int) -> str:
 # inspect
 
 
-def inspect_store(path: str) -> dict[str, Any]:
+def inspect_store(path: str, *, step: int | None = None) -> dict[str, Any]:
     """Describes a store or orbax checkpoint: its arrays, chunk shapes and block counts.
 
     Args:
       path: anything `cacheflow_jax.open_store` takes.
+      step: the step of a ``CheckpointManager`` root to describe (default: the latest).
 
     Returns:
       ``{"store", "source", "arrays": [{"path", "shape", "dtype", "chunk_shape", "grid_shape",
-      "blocks", "nbytes"}], "array_blocks", "runtime_blocks", "blocks", "nbytes"}``.
+      "blocks", "nbytes"}], "array_blocks", "runtime_blocks", "blocks", "nbytes", "steps",
+      "step", "manifest", "runtime"}``; ``steps`` lists a ``CheckpointManager`` root's steps.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
@@ -112,7 +114,7 @@ def inspect_store(path: str) -> dict[str, Any]:
     """
     from cacheflow_jax._store import open_store
 
-    store = open_store(path)
+    store = open_store(path, step=step)
     arrays = []
     for info in store.arrays().values():
         grid = info.grid_shape
@@ -140,6 +142,11 @@ def inspect_store(path: str) -> dict[str, Any]:
         "runtime_blocks": runtime,
         "blocks": len(keys),
         "nbytes": sum(a["nbytes"] for a in arrays),
+        # A CheckpointManager root: its steps, and the one listed (the latest).
+        "steps": list(store.steps),
+        "step": store.step,
+        "manifest": store.manifest,
+        "runtime": store.runtime_spec,
     }
 
 
@@ -173,13 +180,48 @@ def _format_inspect(report: dict[str, Any]) -> str:
         f"{report['array_blocks']} array blocks, {report['runtime_blocks']} runtime blocks, "
         f"{_human(report['nbytes'])}; dtypes: {', '.join(dtypes) or '-'}"
     )
+    if report.get("steps"):
+        lines.append(
+            f"CheckpointManager steps: {', '.join(map(str, report['steps']))} "
+            f"(listed: step {report['step']}, the latest; open another with step=N)"
+        )
+    if not report["arrays"]:
+        lines.append("no arrays: this location holds no stored arrays")
+    if report.get("manifest"):
+        lines.append(f"chunk manifest (checked on every read): {report['manifest']}")
     return "\n".join(lines)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    report = inspect_store(args.path)
+    report = inspect_store(args.path, step=args.step)
     print(json.dumps(report, indent=1) if args.json else _format_inspect(report))
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# verify
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """Records (or checks) the chunk manifest of an orbax checkpoint; 1 if a chunk is bad."""
+    from cacheflow_jax._verify import verify_checkpoint
+
+    report = verify_checkpoint(args.path, step=args.step, update=args.update)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        what = {
+            "recorded": "recorded the CRC-32C of every chunk in",
+            "ok": "every chunk matches",
+            "corrupt": "DAMAGED chunks; manifest",
+        }[report["status"]]
+        print(
+            f"{report['checkpoint']}: {report['arrays']} arrays, {report['chunks']} chunks, "
+            f"{_human(report['nbytes'])}: {what} {report['manifest']}"
+        )
+        for err in report["errors"]:
+            print(f"  {err}")
+    return 1 if report["status"] == "corrupt" else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +371,7 @@ def _run_train(argv: Sequence[str]) -> int:
 # bench
 
 BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
-              "embedding", "gpu_kernels")
+              "embedding", "gpu_kernels", "subblocks")
 
 
 def _run_bench(argv: Sequence[str]) -> int:
@@ -381,11 +423,29 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="list the arrays and blocks of a store or orbax checkpoint",
         description="List the arrays, shapes, dtypes, chunk shapes, block counts and sizes of a "
-        "cacheflow store or an orbax checkpoint (item or CheckpointManager step directory).",
+        "cacheflow store or an orbax checkpoint (item, step directory, or CheckpointManager "
+        "root: its steps are listed and the latest is described).",
     )
     p.add_argument("path", metavar="PATH", help="store directory, URL or orbax checkpoint")
+    p.add_argument("--step", type=_nonnegative_int, default=None, help="step of a root")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "verify",
+        help="record (or check) a CRC-32C manifest of every chunk of an orbax checkpoint",
+        description="Read every chunk of an orbax checkpoint and record its CRC-32C in "
+        "CKPT.cacheflow-manifest.json beside the checkpoint (never inside it); from then on "
+        "every read of the checkpoint is checked against it. With a manifest already there, "
+        "check every chunk against it (exit status 1 if one differs).",
+    )
+    p.add_argument("path", metavar="CKPT", help="CheckpointManager root, step or item directory")
+    p.add_argument("--step", type=_nonnegative_int, default=None, help="step of a root")
+    p.add_argument(
+        "--update", action="store_true", help="record anew (after the checkpoint was saved again)"
+    )
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
         "demo",

@@ -19,6 +19,17 @@ are immutable, so sharing it with L1 is safe).
 
 Leaves orbax stores as ``scalar`` (Python ints and floats) are restored eagerly as Python scalars,
 exactly as orbax returns them; they are a few bytes each and not worth a cache slot.
+
+A `LazyArray` is not a ``jax.Array``: JAX no longer converts such objects while tracing (its
+``__jax_array__`` hook is not called during abstractification), so a leaf passed to ``jax.jit``
+or a ``jnp`` function fails. A model runs on ``materialize(subtree)``: one ``get_many`` for a
+layer's blocks, a pytree of ``jax.Array`` back, which ``nnx.merge`` (inside a jitted step) turns
+into the layer. Arithmetic on a leaf raises a ``TypeError`` saying so.
+
+Blocks can be smaller than the checkpoint's chunks: orbax writes one chunk per array by default,
+and a cache serves a chunk larger than its block size as sub-blocks of leading rows (see
+``cacheflow_jax._subblocks``); a leaf's ``block_shape`` and ``keys`` follow the cache's blocks,
+its ``chunk_shape`` is the chunk as stored.
 """
 
 from __future__ import annotations
@@ -33,18 +44,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cacheflow_jax._blocks import ArrayInfo, block_key
+from cacheflow_jax._blocks import ArrayInfo, StoreError, block_key
+from cacheflow_jax._budgets import default_budgets
 from cacheflow_jax._cache import TieredCache
+from cacheflow_jax._orbax_open import ORBAX_MARKERS as _ORBAX_MARKERS
 from cacheflow_jax._policy import Policy
 from cacheflow_jax._store import TensorStoreStore, open_store
+from cacheflow_jax._verify import verify_checkpoint
 
-__all__ = ["LazyArray", "materialize", "restore_lazy"]
+__all__ = ["LazyArray", "default_budgets", "materialize", "restore_lazy", "verify_checkpoint"]
 
-from cacheflow_jax._orbax_open import ORBAX_MARKERS as _ORBAX_MARKERS
-
-_NEED_BUDGETS = (
-    "restore_lazy({path!r}) needs either cache=TieredCache(...) over that checkpoint, or both "
-    "device_bytes= and host_bytes= to build one (missing: {missing})"
+_NOT_AN_ARRAY = (
+    "LazyArray {path!r} is a handle to checkpoint data, not a jax.Array, so {what} is not "
+    "defined on it; call materialize(leaf) (or leaf.value()) for the whole array on the device, "
+    "materialize(subtree) for a layer's arrays with one get_many, or leaf[...] for a slice"
 )
 
 _UNSUPPORTED_INDEX = (
@@ -108,14 +121,33 @@ class LazyArray:
         return self._info.nbytes
 
     @property
-    def chunk_shape(self) -> tuple[int, ...]:
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self._info.dtype.itemsize
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
         """The shape of one block (blocks at the array's far edges may be smaller)."""
         return self._info.chunk_shape
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The shape of one chunk as stored (larger than `block_shape` for sub-blocks)."""
+        return self._info.stored_chunks
 
     @property
     def grid_shape(self) -> tuple[int, ...]:
         """The number of blocks along each dimension."""
         return self._info.grid_shape
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """Where the array lands once fetched: the cache's L1 device (a single device)."""
+        return jax.sharding.SingleDeviceSharding(self._cache._tiers[0].device)
+
+    def shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
+        """The array's ``jax.ShapeDtypeStruct`` (shape, dtype, sharding), e.g. for ``jax.eval_shape``."""
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -133,9 +165,11 @@ class LazyArray:
         return self.shape[0]
 
     def __repr__(self) -> str:
+        # JAX quotes this in its error for a LazyArray passed to jit or a jnp function, so it
+        # says what to call instead.
         return (
             f"LazyArray({self.path!r}, shape={self.shape}, dtype={self.dtype}, "
-            f"blocks={len(self._keys)})"
+            f"blocks={len(self._keys)}; not a jax.Array: pass materialize(leaf) to JAX)"
         )
 
     # ---- data (through the cache)
@@ -175,7 +209,7 @@ class LazyArray:
           TypeError: advanced indexing (arrays, booleans, ``None``); see the message.
         """
         sel = _normalize_index(index, self.shape, self.path)
-        needed = [_chunks_touched(s, c) for s, c in zip(sel, self.chunk_shape)]
+        needed = [_chunks_touched(s, c) for s, c in zip(sel, self.block_shape)]
         out_shape = tuple(len(s) for s in sel if isinstance(s, range))
         if any(not n for n in needed):
             return jnp.zeros(out_shape, self.dtype)
@@ -183,7 +217,7 @@ class LazyArray:
         keys = [block_key(self.path, tuple(n[i] for n, i in zip(needed, g))) for g in grid_index]
         blocks = self._cache.get_many(keys)
         joined = _join(dict(zip(grid_index, blocks)), tuple(len(n) for n in needed))
-        return _cut(joined, sel, needed, self.chunk_shape, self.shape)
+        return _cut(joined, sel, needed, self.block_shape, self.shape)
 
     def value(self) -> jax.Array:
         """Returns the whole array on the device (all blocks with one ``get_many``)."""
@@ -225,13 +259,75 @@ class LazyArray:
             out = out.astype(dtype)
         return out
 
-    def __jax_array__(self) -> jax.Array:
-        """Returns the whole array on the device, so ``jnp.asarray(leaf)`` works.
+    # ---- what a LazyArray is not
 
-        JAX no longer calls this when a `LazyArray` is passed to a jitted function; pass
-        ``materialize(leaf)`` (or ``leaf.value()``) there.
-        """
-        return self.value()
+    def _not_an_array(self, what: str) -> TypeError:
+        return TypeError(_NOT_AN_ARRAY.format(path=self.path, what=what))
+
+    def __bool__(self) -> bool:
+        raise self._not_an_array("truth value")
+
+    def __iter__(self) -> Any:
+        raise self._not_an_array("iteration")
+
+    def astype(self, dtype: Any) -> Any:
+        """Not defined: raises a ``TypeError`` saying to materialize first."""
+        raise self._not_an_array("astype")
+
+
+def _refuse(name: str) -> Any:
+    """An operator of `LazyArray` that raises a TypeError naming what to call instead."""
+
+    def op(self: LazyArray, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_an_array(f"the operator {name}")
+
+    op.__name__ = name
+    op.__doc__ = "Not defined: raises a ``TypeError`` saying to materialize first."
+    return op
+
+
+for _name in [
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rmod__",
+    "__pow__",
+    "__rpow__",
+    "__matmul__",
+    "__rmatmul__",
+    "__neg__",
+    "__pos__",
+    "__abs__",
+    "__invert__",
+    "__and__",
+    "__rand__",
+    "__or__",
+    "__ror__",
+    "__xor__",
+    "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__float__",
+    "__int__",
+    "__complex__",
+    "__index__",
+]:
+    setattr(LazyArray, _name, _refuse(_name))
+del _name
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,63 +341,102 @@ def restore_lazy(
     device_bytes: int | None = None,
     host_bytes: int | None = None,
     policy: str | Policy = "lfu",
+    step: int | None = None,
+    target: Any = None,
+    block_bytes: int | None = None,
+    runtime: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> Any:
     """Opens an orbax checkpoint lazily: a pytree like orbax's restore, with `LazyArray` leaves.
 
     Reads metadata only (and the few bytes of Python scalar leaves).
 
     Args:
-      path: an orbax item directory (holding ``_METADATA``), or a ``CheckpointManager`` step
-        directory holding one item (``<root>/<step>``), as a path, URL or kvstore spec (anything
-        `cacheflow_jax.open_store` takes). A cacheflow store written by ``write_store`` works too
-        and gives back the tree that was written.
+      path: a ``CheckpointManager`` root (its latest step is opened, as orbax's
+        ``latest_step``, or ``step``), a step directory holding one item (``<root>/<step>``), or
+        an orbax item directory (holding ``_METADATA``), as a path, URL or kvstore spec
+        (anything `cacheflow_jax.open_store` takes). A cacheflow store written by
+        ``write_store`` works too and gives back the tree that was written.
       cache: the cache to read through; its store must be this checkpoint. If omitted, the
-        checkpoint is opened with ``open_store(path)`` and a new `TieredCache` is built with
-        ``device_bytes``, ``host_bytes`` and ``policy``.
-      device_bytes: L1 budget of the new cache (only without ``cache``).
-      host_bytes: L2 budget of the new cache (only without ``cache``).
+        checkpoint is opened with ``open_store(path, step=step, runtime=runtime)`` and a new
+        `TieredCache` is built with ``device_bytes``, ``host_bytes``, ``policy`` and
+        ``block_bytes``.
+      device_bytes: L1 budget of the new cache (only without ``cache``). Default: half of the
+        device memory JAX reports free, or 1 GiB where it reports nothing (the CPU); see
+        `default_budgets`.
+      host_bytes: L2 budget of the new cache (only without ``cache``). Default: a quarter of
+        the host's RAM.
       policy: the new cache's policy, a name or a `Policy` (only without ``cache``).
+      step: the step of a ``CheckpointManager`` root to open (default: the latest).
+      target: an abstract tree to restore into, as orbax's ``StandardRestore(target)`` takes:
+        its leaves (``jax.ShapeDtypeStruct``, arrays, or an ``nnx.State`` of them) are matched to
+        the checkpoint's arrays by key path (a trailing ``value`` of an NNX variable is optional)
+        and must have their shapes and dtypes; the result has the target's structure.
+      block_bytes: the new cache's block size (see `TieredCache`); default 1/8 of
+        ``device_bytes``, so a chunk larger than that (orbax writes one per array) is served as
+        sub-blocks.
+      runtime: where runtime blocks (``put``) go; the checkpoint is never written (see
+        `cacheflow_jax.open_store`).
 
     Returns:
       The restored pytree: the structure and keys of ``ocp.StandardCheckpointer().restore(path)``
-      (orbax restores list items of an NNX pure dict as string keys ``'0'``, ``'1'``); array
-      leaves are `LazyArray` over the cache (reach it as ``leaf.cache``), ``scalar`` leaves are
-      Python scalars, ``None`` and empty containers are kept.
+      (orbax restores list items of an NNX pure dict as string keys ``'0'``, ``'1'``), or of
+      ``target``; array leaves are `LazyArray` over the cache (reach it as ``leaf.cache``),
+      ``scalar`` leaves are Python scalars, ``None`` and empty containers are kept.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      cacheflow_jax.StoreError: ``path`` is not a checkpoint, or it holds several items.
-      ValueError: ``cache`` is over another store, or budgets are missing (or given with a cache).
+      cacheflow_jax.StoreError: ``path`` is not a checkpoint, holds several items, has no
+        ``step``, or holds no arrays at all.
+      ValueError: ``cache`` is over another store, or budgets are given with a cache; ``target``
+        does not match the checkpoint.
       cacheflow_jax.BudgetError: a budget is too small for the checkpoint's largest block.
       TypeError: the cache's store is not a `cacheflow_jax.TensorStoreStore`.
 
-    >>> tree = restore_lazy("ckpt/100", device_bytes=2**30, host_bytes=4 * 2**30)  # doctest: +SKIP
-    >>> params = materialize(tree)  # doctest: +SKIP
+    >>> tree = restore_lazy("ckpt/")  # doctest: +SKIP
+    >>> params = materialize(tree["layers"]["0"])  # doctest: +SKIP
     """
     given = cache is not None
     if cache is None:
-        missing = [
-            n for n, v in (("device_bytes", device_bytes), ("host_bytes", host_bytes)) if v is None
-        ]
-        if missing:
-            raise ValueError(_NEED_BUDGETS.format(path=_label(path), missing=", ".join(missing)))
-        store = open_store(path)
-        cache = TieredCache(store, device_bytes=device_bytes, host_bytes=host_bytes, policy=policy)
+        if device_bytes is None or host_bytes is None:
+            default_device, default_host = default_budgets()
+            device_bytes = default_device if device_bytes is None else device_bytes
+            host_bytes = default_host if host_bytes is None else host_bytes
+        store = open_store(path, step=step, runtime=runtime)
+        cache = TieredCache(
+            store,
+            device_bytes=device_bytes,
+            host_bytes=host_bytes,
+            policy=policy,
+            block_bytes=block_bytes,
+        )
     else:
-        if device_bytes is not None or host_bytes is not None:
+        if device_bytes is not None or host_bytes is not None or block_bytes is not None:
             raise ValueError(
-                f"restore_lazy({_label(path)!r}): pass either cache= or device_bytes=/host_bytes=, "
-                "not both (the budgets of an existing cache are fixed)"
+                f"restore_lazy({_label(path)!r}): pass either cache= or device_bytes=/"
+                "host_bytes=/block_bytes=, not both (the settings of an existing cache are fixed)"
             )
-        store = cache.store
+    store = cache.store
     if not isinstance(store, TensorStoreStore):
         raise TypeError(
             f"the cache's store {store.spec} is a {type(store).__name__}, which cannot list a "
             "checkpoint's pytree; build the cache over cacheflow_jax.open_store(path)"
         )
     if given:
+        if step is not None and store.step != step:
+            raise ValueError(
+                f"restore_lazy({_label(path)!r}, step={step}, cache=...): the cache reads step "
+                f"{store.step} ({store.spec}); build the cache over "
+                f"open_store({_label(path)!r}, step={step})"
+            )
         _check_same_checkpoint(path, store)
     arrays = store.arrays()
+    if not arrays:
+        raise StoreError(
+            f"{store.spec} holds no arrays, so there is nothing to restore"
+            + (f" (steps found: {list(store.steps)})" if store.steps else "")
+            + "; check the path: pass a CheckpointManager root, a step directory or an item "
+            "directory (`cacheflow inspect PATH` lists what a location holds)"
+        )
     value_types = store.value_types()
 
     def leaf(array_path: str) -> Any:
@@ -310,6 +445,8 @@ def restore_lazy(
             return store.read(block_key(array_path, (0,) * len(info.shape))).result().item()
         return LazyArray(cache, info)
 
+    if target is not None:
+        return _restore_into(target, store, leaf)
     return _map_skeleton(store.tree(), leaf)
 
 
@@ -469,6 +606,64 @@ def _cut(
     return out
 
 
+def _key_name(k: Any) -> str:
+    """One key path entry as it appears in an array path."""
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def _restore_into(target: Any, store: TensorStoreStore, leaf: Any) -> Any:
+    """The checkpoint's leaves in ``target``'s structure (orbax's ``StandardRestore(target)``).
+
+    Raises:
+      ValueError: a target leaf has no array in the checkpoint, or another shape or dtype.
+    """
+    arrays = store.arrays()
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    out, missing, wrong = [], [], []
+    for kp, want in flat:
+        names = [_key_name(k) for k in kp]
+        path = "/".join(names)
+        if path not in arrays and names and names[-1] == "value":
+            path = "/".join(names[:-1])  # an NNX variable's value, saved from a pure dict
+        info = arrays.get(path)
+        if info is None:
+            missing.append("/".join(names))
+            out.append(None)
+            continue
+        shape, dtype = getattr(want, "shape", None), getattr(want, "dtype", None)
+        if (
+            shape is not None
+            and tuple(shape) != info.shape
+            or (dtype is not None and np.dtype(dtype) != info.dtype)
+        ):
+            wrong.append(
+                f"{path}: target {tuple(shape or ())} {dtype}, stored {info.shape} {info.dtype}"
+            )
+        out.append(leaf(path))
+    if missing or wrong:
+        raise ValueError(
+            f"target does not match checkpoint {store.spec}: "
+            + (
+                f"no array for {missing[:5]} (the checkpoint has {sorted(arrays)[:5]}...)"
+                if missing
+                else ""
+            )
+            + ("; " if missing and wrong else "")
+            + (f"shape or dtype differ for {wrong[:5]}" if wrong else "")
+            + ". Build the target from the model that was saved (nnx.eval_shape), or restore "
+            "without target= and cast after materialize()"
+        )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def _map_skeleton(node: Any, leaf: Any) -> Any:
     """Rebuilds ``store.tree()``'s skeleton, mapping each array path string with ``leaf``."""
     if isinstance(node, str):
@@ -531,6 +726,13 @@ def _store_locations(store: TensorStoreStore) -> set[tuple[str, str]]:
     spec = store.kvstore_spec
     if spec.get("driver") == "file":
         local = Path(str(spec.get("path", "")))
+        if store.step is not None:
+            # Opened at a CheckpointManager root: the root and the step opened are this store.
+            step_dir = local / str(store.step)
+            return {
+                ("file", os.path.realpath(local)),
+                ("file", os.path.realpath(_item_dir(step_dir))),
+            }
         return {("file", os.path.realpath(_item_dir(local)) if local.exists() else str(local))}
     out = {_spec_location(spec)}
     scheme, sep, rest = store.spec.partition("://")

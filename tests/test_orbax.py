@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import cacheflow_jax as cfj
 from cacheflow_jax._blocks import block_key
 from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._store import open_store, write_store
@@ -214,12 +215,25 @@ def test_missing_path_is_a_clear_error(tmp_path: Path, checkpoint: dict[str, Pat
         restore_lazy(missing, cache=cache)
 
 
-def test_budgets_or_a_cache_are_required(checkpoint: dict[str, Path]) -> None:
-    with pytest.raises(ValueError, match="host_bytes"):
-        restore_lazy(checkpoint["item"], device_bytes=MiB)
+def test_a_missing_budget_takes_its_default(checkpoint: dict[str, Path]) -> None:
+    tree = restore_lazy(checkpoint["item"], device_bytes=MiB)
+    tiers = tree["head"]["kernel"].cache.stats()["tiers"]
+    assert tiers["device"]["budget"] == MiB
+    assert tiers["host"]["budget"] == cfj.orbax.default_budgets()[1]
     cache = TieredCache(open_store(checkpoint["item"]), device_bytes=MiB, host_bytes=MiB)
     with pytest.raises(ValueError, match="not both"):
         restore_lazy(checkpoint["item"], cache=cache, device_bytes=MiB)
+
+
+def test_a_cache_over_the_manager_root_serves_its_step(checkpoint: dict[str, Path]) -> None:
+    root = checkpoint["step"].parent
+    cache = TieredCache(open_store(root), device_bytes=MiB, host_bytes=MiB)
+    assert cache.store.step == 3
+    for path in (root, checkpoint["step"], checkpoint["item"]):
+        assert restore_lazy(path, cache=cache)["head"]["kernel"].cache is cache
+    assert restore_lazy(root, cache=cache, step=3)["head"]["kernel"].cache is cache
+    with pytest.raises(ValueError, match="step 3"):
+        restore_lazy(root, cache=cache, step=4)
 
 
 def test_a_cache_over_the_step_dir_serves_the_item_dir(checkpoint: dict[str, Path]) -> None:
