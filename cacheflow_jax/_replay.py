@@ -218,6 +218,7 @@ def replay(
     policy: str | Policy = "lfu",
     prefetcher: Any = None,
     progress: bool = False,
+    label: str = "replay",
 ) -> dict:
     """Replays ``trace`` through a `TieredCache` and returns its stats (the replay JSON).
 
@@ -228,6 +229,7 @@ def replay(
       policy: a policy name (``lfu``, ``lru``, ``lfu-plain``, ``belady``) or a `Policy`.
       prefetcher: passed to the cache (see `TieredCache`).
       progress: show a progress bar on stderr.
+      label: the progress bar's label (the CLI names the policy and the size).
 
     Raises:
       BudgetError: a budget is negative, or a non-zero budget is smaller than the largest object.
@@ -261,7 +263,9 @@ def replay(
     get = cache.access_sync
     times = trace.t.tolist()
     keys = trace.keys
-    bar = tqdm(total=len(keys), disable=not progress, unit="acc", mininterval=0.5, leave=False)
+    # The bar stays on screen when done (leave=True), so a capture of stderr shows each run's
+    # final count and rate rather than an erased line.
+    bar = tqdm(total=len(keys), disable=not progress, unit="acc", mininterval=0.5, desc=label)
     start = time.perf_counter()
     step = 8192
     for lo in range(0, len(keys), step):
