@@ -31,6 +31,7 @@ class ServingSession:
     def __init__(self, cache: TieredCache, log: AccessLogWriter | None) -> None:
         self.cache = cache
         self._log = log
+        self.metrics_url: str | None = None  # set by serving(metrics_port=...)
         if log is None:
             self.get = cache.get  # type: ignore[method-assign]
             self.get_many = cache.get_many  # type: ignore[method-assign]
@@ -59,7 +60,10 @@ class ServingSession:
 
 @contextlib.contextmanager
 def serving(
-    cache: TieredCache, *, access_log: str | os.PathLike | None = None
+    cache: TieredCache,
+    *,
+    access_log: str | os.PathLike | None = None,
+    metrics_port: int | None = None,
 ) -> Iterator[ServingSession]:
     """Serves blocks from ``cache`` for the duration of a ``with`` block.
 
@@ -69,6 +73,9 @@ def serving(
     Args:
       cache: the `TieredCache` to serve from.
       access_log: optional path of an access log v1 file (JSON Lines) to record every access.
+      metrics_port: if given, serve the cache's counters in Prometheus text format at
+        ``http://127.0.0.1:<port>/metrics`` while the session lasts (0: any free port; the
+        session's ``metrics_url`` says which). See `cacheflow_jax.metrics`.
 
     Yields:
       A `ServingSession`.
@@ -80,12 +87,25 @@ def serving(
             return cache.info(key).nbytes, cache.kind(key)
 
         log = AccessLogWriter(access_log, describe=describe)
+    metrics = None
+    if metrics_port is not None:
+        from cacheflow_jax.metrics import serve as serve_metrics
+
+        try:
+            metrics = serve_metrics(cache, port=metrics_port)
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
     session = ServingSession(cache, log)
+    session.metrics_url = metrics.url if metrics is not None else None
     try:
         yield session
     finally:
         try:
             cache.flush()
         finally:
+            if metrics is not None:
+                metrics.close()
             if log is not None:
                 log.close()
