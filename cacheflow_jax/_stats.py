@@ -102,11 +102,14 @@ def _key_ids(keys: Sequence[str]) -> tuple[np.ndarray, list[str]]:
     return ids, list(index)
 
 
-def _sampled(keys: list[str], rate: float) -> np.ndarray:
-    """The positions of the accesses whose key hashes under ``rate`` (SHARDS' spatial filter)."""
+def _sampled(names: list[str], rate: float) -> np.ndarray:
+    """For each key, whether its hash falls under ``rate`` of the hash space (SHARDS' filter)."""
     threshold = int(rate * 2**32)
-    keep = {k: zlib.crc32(k.encode("utf-8", "surrogatepass")) < threshold for k in set(keys)}
-    return np.fromiter((keep[k] for k in keys), bool, len(keys))
+    return np.fromiter(
+        (zlib.crc32(k.encode("utf-8", "surrogatepass")) < threshold for k in names),
+        bool,
+        len(names),
+    )
 
 
 def _histogram(distances: np.ndarray) -> list[dict[str, Any]]:
@@ -150,45 +153,50 @@ def trace_stats(
     if sample is not None and not (0.0 < sample <= 1.0):
         raise ValueError(f"--sample {sample} must be a rate in (0, 1], e.g. 0.01")
     start = time.perf_counter()
-    key_sizes = trace.sizes()
-    total = sum(key_sizes.values())
-    largest = max(key_sizes.values())
+    ids, names = _key_ids(trace.keys)
+    # Each key's size is its largest in the trace, as replay's store gives it.
+    key_sizes = np.zeros(len(names), np.int64)
+    np.maximum.at(key_sizes, ids, trace.nbytes)
+    total = int(key_sizes.sum())
+    largest = int(key_sizes.max())
     unit = largest == 1
     budgets = [
         parse_size(s, total=total, largest=largest, setting="--sizes", unit_size=unit)
         for s in sizes
     ]
-    by_kind: dict[str, dict[str, int]] = {}
-    first_kind: dict[str, str] = {}
-    for key, kind in zip(trace.keys, trace.kinds):
-        row = by_kind.get(kind)
-        if row is None:
-            row = by_kind[kind] = {"accesses": 0, "distinct_keys": 0, "distinct_bytes": 0}
-        row["accesses"] += 1
-        if key not in first_kind:
-            first_kind[key] = kind
-            row["distinct_keys"] += 1
-            row["distinct_bytes"] += key_sizes[key]
-
-    keys = trace.keys
-    all_weights = np.fromiter((key_sizes[k] for k in keys), np.float64, len(keys))
+    kind_names = sorted(set(trace.kinds))
+    code = {k: i for i, k in enumerate(kind_names)}
+    kinds = np.fromiter((code[k] for k in trace.kinds), np.int64, len(trace))
+    # A key counts under the kind of its first access.
+    firsts = np.unique(ids, return_index=True)[1]
+    first_kind = kinds[firsts]
+    n_kinds = len(kind_names)
+    by_kind = {
+        name: {"accesses": int(a), "distinct_keys": int(k), "distinct_bytes": int(b)}
+        for name, a, k, b in zip(
+            kind_names,
+            np.bincount(kinds, minlength=n_kinds).tolist(),
+            np.bincount(first_kind, minlength=n_kinds).tolist(),
+            np.bincount(first_kind, weights=key_sizes[ids[firsts]], minlength=n_kinds).tolist(),
+        )
+    }
+    sizes_arr = key_sizes.astype(np.float64)
+    all_bytes = float(sizes_arr[ids].sum())
     if sample is not None and sample < 1.0:
-        kept = _sampled(keys, sample)
-        keys = [k for k, keep in zip(keys, kept.tolist()) if keep]
+        ids = ids[_sampled(names, sample)[ids]]
         scale = 1.0 / sample
         method = (
             f"fixed-rate SHARDS sampling (Waldspurger et al., FAST'15, with their count "
             f"adjustment): keys whose crc32 falls under {sample:g} of the hash space, "
-            f"{len(keys)} of {len(trace)} accesses; distances scaled by 1/rate, so the curve is "
+            f"{len(ids)} of {len(trace)} accesses; distances scaled by 1/rate, so the curve is "
             "an estimate"
         )
     else:
         scale = 1.0
         method = "exact: Mattson's LRU stack distances in one pass (offline dominance count)"
-    ids, names = _key_ids(keys)
-    sizes_arr = np.fromiter((key_sizes[k] for k in names), np.float64, len(names))
-    dist_keys, dist_bytes = stack_distances(ids, sizes_arr) if len(ids) else (
-        np.zeros(0), np.zeros(0))
+    dist_keys, dist_bytes = (
+        stack_distances(ids, sizes_arr) if len(ids) else (np.zeros(0), np.zeros(0))
+    )
     dist_keys = dist_keys * scale
     dist_bytes = dist_bytes * scale
     weights = sizes_arr[ids] if len(ids) else np.zeros(0)
@@ -200,7 +208,7 @@ def trace_stats(
     # shortfall or excess of the sample is taken as hits, so misses are divided by the expected
     # sample size rather than by the drawn one (with no sampling both are the same).
     expected = len(trace) / scale
-    expected_bytes = float(all_weights.sum()) / scale
+    expected_bytes = all_bytes / scale
     curve = []
     for text, budget in zip(sizes, budgets):
         hits = int(np.searchsorted(sorted_bytes, budget, side="right"))
@@ -216,7 +224,7 @@ def trace_stats(
     return {
         "trace": trace.path,
         "accesses": len(trace),
-        "distinct_keys": len(key_sizes),
+        "distinct_keys": len(names),
         "distinct_bytes": total,
         "unit_size": unit,
         "by_kind": by_kind,

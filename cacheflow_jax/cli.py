@@ -622,7 +622,10 @@ def _run_train(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------------------------
 # bench
 
-BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic")
+BENCHMARKS = (
+    "hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
+    "stats_speed",
+)
 
 
 def _run_bench(argv: Sequence[str]) -> int:
