@@ -3,7 +3,7 @@
 Every reader returns a `Trace`: columns of one access each (time, key, nbytes, kind, request).
 Formats:
 
-* ``log``: access log v1 (DESIGN.md), JSON Lines or CSV with the header ``t,key,nbytes,kind,req``.
+* ``log``: access log v1 (docs/design.md), JSON Lines or CSV with the header ``t,key,nbytes,kind,req``.
 * ``mooncake``: Mooncake-style JSON Lines, one request per line with ``timestamp`` (ms) and
   ``hash_ids``; each hash id becomes one access to key ``kv:<id>`` of ``block_bytes`` bytes (unit
   size by default).
