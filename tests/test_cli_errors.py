@@ -104,6 +104,8 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
         (["stats", "{unit}", "--sizes", "10MB"], "unit sizes"),
         (["stats", "{unit}", "--sample", "2"], "not a rate"),
         (["inspect", "{dir}/store", "--keys", "--json"], "not allowed with"),
+        (["replay", "{unit}", "--device-bytes", "1%", "--host-bytes", "1GiB"], "unit sizes"),
+        (["demo", "--workdir", "{dir}/w", "--device-bytes", "1.5"], "not a whole number"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(
