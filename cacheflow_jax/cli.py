@@ -10,11 +10,14 @@ ends ``cat``, with status 141. Bugs keep their tracebacks.
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -867,6 +870,33 @@ def _silence_stdout() -> None:
         pass
 
 
+@contextlib.contextmanager
+def interrupts_reach_main() -> Iterator[None]:
+    """Makes Ctrl-C stop the command even when it lands in a callback.
+
+    Python runs the SIGINT handler wherever the main thread is, including inside a garbage
+    collector callback (JAX installs one) or a ``__del__``. A KeyboardInterrupt raised there is
+    reported as "Exception ignored", with a traceback, and the program goes on. While this is
+    active, such an interrupt is not reported but raised again in the main thread, where the
+    command's own handler prints one line.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # From another thread, a moment later: raised in this hook, it would be "ignored"
+            # once more.
+            threading.Timer(0.01, _thread.interrupt_main).start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``cacheflow`` command line.
 
@@ -879,7 +909,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       141 when the reader of stdout went away (``| head``).
     """
     try:
-        return _main(argv)
+        with interrupts_reach_main():
+            return _main(argv)
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE

@@ -258,3 +258,38 @@ def test_ctrl_c_in_train_prints_one_line_and_no_traceback(tmp_path: Path) -> Non
     assert err.strip().splitlines()[-1] == "cacheflow train: interrupted"
     assert err.count("interrupted") == 1
     assert not out.exists()
+
+
+class _InterruptedFinalizer:
+    """Raises KeyboardInterrupt when collected, as Ctrl-C does when it lands in JAX's gc hook."""
+
+    def __del__(self) -> None:
+        raise KeyboardInterrupt
+
+
+def _spin() -> None:
+    deadline = time.monotonic() + 5  # Python code for the re-raised interrupt to land in
+    while time.monotonic() < deadline:
+        pass
+
+
+def test_an_interrupt_inside_a_finalizer_still_stops_the_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cacheflow_jax.cli import interrupts_reach_main
+    from training.main import _unraisable
+
+    before = sys.unraisablehook
+    with pytest.raises(KeyboardInterrupt), interrupts_reach_main():
+        _InterruptedFinalizer()  # collected at once: the interrupt is "unraisable" there
+        _spin()
+    assert sys.unraisablehook is before
+    previous = sys.unraisablehook
+    sys.unraisablehook = _unraisable(previous)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _InterruptedFinalizer()
+            _spin()
+    finally:
+        sys.unraisablehook = previous
+    assert "Exception ignored" not in capsys.readouterr().err

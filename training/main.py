@@ -9,11 +9,13 @@ work; Ctrl-C prints ``cacheflow train: interrupted`` and exits with 130.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 _NAMES = ("mlp", "last_successor", "markov", "stride")
@@ -163,8 +165,30 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An unraisable-exception hook that raises Ctrl-C again in the main thread.
+
+    A KeyboardInterrupt that lands in a garbage-collector callback (JAX installs one) or a
+    ``__del__`` would be printed as "Exception ignored" and training would go on; this raises it
+    again where ``main`` catches it (the same rule as ``cacheflow_jax.cli.interrupts_reach_main``:
+    this script does not import the library's CLI).
+    """
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # From another thread, a moment later: raised in this hook, it would be "ignored"
+            # once more.
+            threading.Timer(0.01, _thread.interrupt_main).start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses the options, trains, prints the evaluation; returns the exit status."""
+    previous = sys.unraisablehook
+    sys.unraisablehook = _unraisable(previous)
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -178,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         return 141
+    finally:
+        sys.unraisablehook = previous
 
 
 def _main(argv: Sequence[str] | None) -> int:
