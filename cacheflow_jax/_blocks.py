@@ -13,9 +13,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 KEY_SEPARATOR = "@"
+
+# An entry of a stored pytree's key path: a dict key or a list index.
+KeyKind = jax.tree_util.DictKey | jax.tree_util.SequenceKey
+
+HOW_TO_REPAIR = (
+    "The stored bytes are damaged; re-write the store from its source "
+    "(write_store(tree, path, overwrite=True)) or restore the file from a backup"
+)
 
 
 class BudgetError(ValueError):
@@ -28,6 +37,14 @@ class StoreError(OSError):
 
 class CorruptBlockError(StoreError):
     """A stored chunk failed its checksum; the message names the key and the file."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """An L3 operation did not finish within its deadline (the store may be unreachable)."""
+
+
+class DtypeError(TypeError):
+    """A block's dtype cannot be held exactly where it must go (JAX would change it silently)."""
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")

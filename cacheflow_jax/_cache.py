@@ -32,9 +32,18 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from cacheflow_jax._blocks import KEY_SEPARATOR, BlockInfo, BudgetError, Store
+from cacheflow_jax._blocks import BlockInfo, BudgetError, Store, StoreError, StoreTimeoutError
+from cacheflow_jax._locations import DEFAULT_TIMEOUT
 from cacheflow_jax._policy import Policy, admit_all, get_policy
-from cacheflow_jax._tiers import PRESENT, AbstractTier, DeviceTier, HostTier
+from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
+from cacheflow_jax._slab import make_device_tier
+from cacheflow_jax._tiers import (
+    PRESENT,
+    AbstractTier,
+    HostTier,
+    MetadataTier,
+    check_device_dtype,
+)
 
 DEVICE, HOST = 0, 1
 
@@ -96,9 +105,24 @@ class TieredCache:
       device: the L1 device; the default device if omitted.
       tiers: advanced: replace the L1/L2 tier objects (replay uses metadata-only tiers).
       read_buffer: how many buffered hits trigger a policy update (1 applies each at once).
+      l3_timeout: seconds an L3 read may take before the miss raises `StoreTimeoutError` (a
+        `StoreError` naming the key and the store); also the longest `put` waits for room in
+        the write-back budget and the default deadline of `flush`. None waits forever. Hits in
+        L1 and L2 never wait on L3.
+      writeback_bytes: the most bytes of runtime blocks not yet durable in L3 that the cache
+        holds at once, resident in L1/L2 or waiting to be written back; a `put` beyond it first
+        starts write-backs and waits for them (up to ``l3_timeout``), then raises `StoreError`.
+        Default: twice ``device_bytes + host_bytes``.
+      device_layout: ``"arrays"`` (one ``jax.Array`` per L1 block, the default) or ``"slab"``
+        (one preallocated slab of fixed-size lines filled and read by the Pallas kernels; see
+        `cacheflow_jax._slab`).
+      line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
+        power of two dividing the store's chunk sizes, within 4-64 KiB (see
+        `cacheflow_jax._slab.default_line_bytes`).
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
+      ValueError: an unknown ``device_layout``.
 
     >>> import cacheflow_jax as cfj, numpy as np
     >>> store = cfj.write_store({"w": np.arange(8.0)}, "memory://doc-cache/", chunk_bytes=32)
@@ -119,9 +143,17 @@ class TieredCache:
         device: jax.Device | None = None,
         tiers: Sequence[AbstractTier] | None = None,
         read_buffer: int = 64,
+        l3_timeout: float | None = DEFAULT_TIMEOUT,
+        writeback_bytes: int | None = None,
+        device_layout: str = "arrays",
+        line_bytes: int | None = None,
     ) -> None:
         if tiers is None:
-            tiers = [DeviceTier(device_bytes, device=device), HostTier(host_bytes)]
+            tiers = [
+                make_device_tier(device_layout, device_bytes, store=store, line_bytes=line_bytes,
+                                 device=device),
+                HostTier(host_bytes),
+            ]
         self._tiers = list(tiers)
         largest = _largest_block(store)
         for tier, setting in zip(self._tiers, ("device_bytes", "host_bytes")):
@@ -134,6 +166,19 @@ class TieredCache:
                     + (" or set it to 0 to disable L2" if setting == "host_bytes" else "")
                     + ", or rewrite the store with smaller chunks (write_store(chunk_bytes=...))"
                 )
+        if l3_timeout is not None and not (
+            isinstance(l3_timeout, int | float) and not isinstance(l3_timeout, bool) and l3_timeout > 0
+        ):
+            raise ValueError(f"l3_timeout={l3_timeout!r} must be a number of seconds > 0, or None")
+        if writeback_bytes is None:
+            writeback_bytes = 2 * sum(t.budget for t in self._tiers)
+        if isinstance(writeback_bytes, bool) or not isinstance(writeback_bytes, int | np.integer):
+            raise BudgetError(f"writeback_bytes={writeback_bytes!r} must be an integer number of bytes")
+        if writeback_bytes < 0:
+            raise BudgetError(f"writeback_bytes={writeback_bytes} is negative; give a byte budget >= 0")
+        self._l3_timeout = l3_timeout
+        self._check_dtypes = not isinstance(self._tiers[DEVICE], MetadataTier)
+        self._writeback_bytes = int(writeback_bytes)
         self.store = store
         self.policy = get_policy(policy)
         self._admit = None if self.policy.admit is admit_all else self.policy.admit
@@ -172,7 +217,13 @@ class TieredCache:
         self._unwritten: dict[str, Any] = {}
         self._writes: dict[str, int] = {}  # key -> version being written
         self._futures: dict[str, Any] = {}  # key -> pending write future
-        self._write_errors: list[BaseException] = []
+        self._write_errors: dict[str, BaseException] = {}  # key -> its last failed write
+        # Runtime blocks not yet durable in L3, wherever they are (L1, L2, the backlog): key ->
+        # nbytes, and their sum, held to ``writeback_bytes``. ``_written`` is notified when a
+        # write finishes, for puts waiting for room.
+        self._dirty: dict[str, int] = {}
+        self._dirty_bytes = 0
+        self._written = threading.Condition(self._lock)
         self._n = {"device": 0, "host": 0, "miss": 0, "bytes": 0, "miss_bytes": 0, "host_bytes": 0,
                    "writebacks": 0, "writeback_bytes": 0}
         # L3 reads finish on store threads: their counters have their own lock, never held
@@ -199,12 +250,17 @@ class TieredCache:
             if len(reads) >= self._read_buffer:
                 with self._lock:
                     self._drain()
+                if self._unwritten:
+                    self._start_writes()  # dirty blocks the TTL just expired
             return value
         return self._get_slow(key)
 
     def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
         """Returns several blocks; all the L3 reads among them are issued at once."""
         keys = list(keys)
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(f"block keys are str; got {type(key).__name__} {key!r} in get_many")
         out: dict[str, Any] = {}
         for key in keys:
             value = self._l1.get(key)
@@ -225,11 +281,16 @@ class TieredCache:
                     else:
                         owned.append((key, step[1], step[2]))
             l3 = [(k, info) for k, info, src in owned if src is None]
-            futures = dict(zip((k for k, _ in l3), self._read_many([k for k, _ in l3])))
+            deadline = self._deadline()
+            try:
+                futures = dict(zip((k for k, _ in l3), self._read_many([k for k, _ in l3])))
+            except BaseException as e:
+                self._abandon([(k, info, src) for k, info, src in owned], e)
+                raise
             first_error: BaseException | None = None
             for key, info, src in owned:
                 try:
-                    out[key] = self._finish(key, info, src, futures.get(key))
+                    out[key] = self._finish(key, info, src, futures.get(key), deadline)
                 except BaseException as e:  # finish the other loads before raising
                     first_error = first_error or e
             if first_error is not None:
@@ -244,6 +305,104 @@ class TieredCache:
                 else:
                     pending.append(key)
         return [out[k] for k in keys]
+
+    # ------------------------------------------------------------ embedding rows (`lookup`)
+
+    def get_host_many(self, keys: Iterable[str]) -> list[np.ndarray]:
+        """Returns blocks as host arrays without promoting them to L1.
+
+        For callers that keep their own device copy of what is hot (`serving`'s ``lookup`` of
+        embedding rows). Hits in L1 or L2 count as such and stay where they are; the rest are
+        read from L3 in one batch and kept in L2 when the policy admits them.
+
+        Raises:
+          KeyError: no block for one of ``keys`` (before anything is read).
+        """
+        keys = list(keys)
+        infos = {key: self.info(key) for key in keys}
+        out: dict[str, Any] = {}
+        pending = list(infos)
+        while pending:
+            owned, waits = [], []
+            with self._lock:
+                self._drain()
+                now = self._clock()
+                host = self._tiers[HOST].entries if len(self._tiers) > HOST else {}
+                for key in pending:
+                    transit = self._inflight.get(key)
+                    if transit is not None:
+                        waits.append((key, transit))
+                        continue
+                    nbytes = infos[key].nbytes
+                    value = self._l1.get(key)
+                    if value is not None:
+                        self._account(key, "device", now, nbytes)
+                    elif key in host or key in self._unwritten:
+                        self._account(key, "host", now, nbytes)
+                        value = host[key] if key in host else self._unwritten[key]
+                    else:
+                        self._account(key, "miss", now, nbytes)
+                        self._inflight[key] = _Transit()
+                        owned.append(key)
+                        continue
+                    out[key] = value
+            first_error: BaseException | None = None
+            for key, future in zip(owned, self._read_many(owned)):
+                transit = self._inflight[key]
+                try:
+                    value = future.result()
+                    host_value = self._load_host(key, infos[key].nbytes, value)
+                    with self._lock:
+                        if host_value is not None:
+                            self._tiers[HOST].put_reserved(key, host_value, infos[key].nbytes)
+                            self.policy.insert(self._pstate, HOST, key, self._clock(),
+                                               infos[key].nbytes)
+                        del self._inflight[key]
+                        self._notify_room()
+                    out[key] = value
+                    transit.finish()
+                except BaseException as e:  # finish the other reads before raising
+                    with self._lock:
+                        self._inflight.pop(key, None)
+                    transit.finish(error=e)
+                    first_error = first_error or e
+            if first_error is not None:
+                raise first_error
+            pending = []
+            for key, transit in waits:
+                transit.wait()
+                if transit.error is not None:
+                    raise transit.error
+                pending.append(key)  # look again: it is now in a tier (or back in L3)
+        return [_to_host(out[key]) for key in keys]
+
+    def reserve_device(self, nbytes: int) -> AbstractTier:
+        """Reserves ``nbytes`` of L1 for data the caller keeps on the device itself.
+
+        Blocks are evicted (demoted) as the policy says until the bytes fit; they stay counted
+        in L1's ``used`` until `release_device`. For `serving`'s ``lookup``, whose hot embedding
+        rows share L1's budget with blocks.
+
+        Returns:
+          The L1 tier (a `SlabTier` then hands out lines for the reserved bytes).
+
+        Raises:
+          BudgetError: ``nbytes`` cannot fit in L1 even with every block evicted.
+        """
+        if not self._make_room(DEVICE, nbytes, None):
+            tier = self._tiers[DEVICE]
+            raise BudgetError(
+                f"cannot reserve {nbytes} bytes of L1 (device_bytes={tier.budget}, "
+                f"{tier.used} in use by blocks in transit or other reservations); ask for "
+                "less or raise device_bytes"
+            )
+        return self._tiers[DEVICE]
+
+    def release_device(self, nbytes: int) -> None:
+        """Returns bytes reserved with `reserve_device`."""
+        with self._lock:
+            self._tiers[DEVICE].release(nbytes)
+            self._notify_room()
 
     # --------------------------------------------------------------------- replay (one thread)
 
@@ -332,6 +491,8 @@ class TieredCache:
     # ----------------------------------------------------------------------------- miss path
 
     def _get_slow(self, key: str) -> jax.Array:
+        if not isinstance(key, str):
+            raise TypeError(f"block keys are str; got {type(key).__name__} {key!r}")
         while True:
             with self._lock:
                 self._drain()
@@ -339,8 +500,13 @@ class TieredCache:
             if step[0] == "hit":
                 return step[1]
             if step[0] == "own":
-                future = self._read(key) if step[2] is None else None
-                return self._finish(key, step[1], step[2], future)
+                deadline = self._deadline()
+                try:
+                    future = self._read(key) if step[2] is None else None
+                except BaseException as e:
+                    self._abandon([(key, step[1], step[2])], e)
+                    raise
+                return self._finish(key, step[1], step[2], future, deadline)
             transit = step[1]
             transit.wait()
             if transit.error is not None:
@@ -363,6 +529,8 @@ class TieredCache:
         if transit is not None:
             return ("wait", transit)
         info = self.info(key)
+        if self._check_dtypes:
+            check_device_dtype(info.dtype, key)  # before anything changes
         host = self._tiers[HOST] if len(self._tiers) > HOST else None
         if host is not None and key in host.entries:
             self._account(key, "host", now, info.nbytes)
@@ -391,14 +559,48 @@ class TieredCache:
         if self._has_ttl:
             self._expire(now)
 
-    def _finish(self, key: str, info: BlockInfo, source: Any, future: Any) -> Any:
+    def _deadline(self) -> float | None:
+        """The monotonic time by which reads issued now must finish (None: no deadline)."""
+        return None if self._l3_timeout is None else time.monotonic() + self._l3_timeout
+
+    def _read_result(self, key: str, future: Any, deadline: float | None) -> Any:
+        """Waits for an L3 read until ``deadline``; past it, `StoreTimeoutError` names the key."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return future.result(timeout=left)
+        except TimeoutError as err:
+            if isinstance(err, StoreError):
+                raise
+            raise StoreTimeoutError(
+                f"reading block {key!r} from store {self.store.spec} did not finish within "
+                f"l3_timeout={self._l3_timeout} s; the store may be unreachable or stopped. "
+                "Blocks in L1/L2 are still served; check the store, or raise l3_timeout"
+            ) from None
+
+    def _abandon(self, owned: list[tuple[str, BlockInfo, Any]], error: BaseException) -> None:
+        """Releases loads that were claimed in ``_begin`` but never started (a read failed)."""
+        with self._lock:
+            transits = []
+            for key, _, source in owned:
+                transit = self._inflight.pop(key, None)
+                if source is not None and self._is_dirty(key):
+                    self._unwritten.setdefault(key, source)  # never lose a runtime block
+                if transit is not None:
+                    transits.append(transit)
+        for transit in transits:
+            transit.finish(error=error)
+
+    def _finish(
+        self, key: str, info: BlockInfo, source: Any, future: Any, deadline: float | None = None
+    ) -> Any:
         """Outside the lock: make room, finish the read, install in L1 (or L2), wake waiters."""
         transit = self._inflight[key]
         host_value = None
         try:
             in_l1 = self._make_room(DEVICE, info.nbytes, key)
             try:
-                value = self._tiers[DEVICE].load(future.result() if source is None else source)
+                raw = self._read_result(key, future, deadline) if source is None else source
+                value = self._tiers[DEVICE].load(raw)
             except BaseException:
                 if in_l1:
                     with self._lock:
@@ -533,15 +735,19 @@ class TieredCache:
         with self._lock:
             self._writes.pop(key, None)
             self._futures.pop(key, None)
+            self._written.notify_all()
             if error is not None:
-                self._write_errors.append(error)  # the block stays in _unwritten for a retry
+                self._write_errors[key] = error  # the block stays in memory for a retry
                 return
+            # A later successful write of the key supersedes its earlier failure.
+            self._write_errors.pop(key, None)
             self._n["writebacks"] += 1
             self._n["writeback_bytes"] += self.info(key).nbytes
             if version > self._durable.get(key, -1):
                 self._durable[key] = version
             if self._version.get(key) == version:
                 self._unwritten.pop(key, None)
+                self._dirty_bytes -= self._dirty.pop(key, 0)
             again = key in self._unwritten
         if again:
             self._start_writes()
@@ -615,40 +821,55 @@ class TieredCache:
     def put(self, key: str, array: Any, *, kind: str = "kv") -> None:
         """Stores a runtime block (for example a KV block keyed by prefix hash) in L1.
 
-        The block is written back to L3 when it leaves the cache, and on `flush`.
+        The block is written back to L3 when it leaves the cache, and on `flush`. Everything is
+        checked before anything is stored, so a refused put changes nothing.
 
         Raises:
-          ValueError: ``key`` contains ``'@'`` (chunks of stored arrays are read-only).
-          BudgetError: the block is larger than ``device_bytes``.
+          TypeError: ``key`` is not a str, or ``array`` is not a numeric array.
+          ValueError: ``key`` cannot name a runtime block (empty, contains ``'@'``, not valid
+            UTF-8, too long for a file name), or ``kind`` is unknown.
+          DtypeError: the array's dtype would be narrowed on the device (64-bit with
+            ``jax_enable_x64`` off).
+          BudgetError: the block is larger than ``device_bytes`` or ``writeback_bytes``.
+          StoreError: the write-back budget stayed full for ``l3_timeout`` (L3 is failing).
         """
-        if KEY_SEPARATOR in key:
-            raise ValueError(
-                f"cannot put {key!r}: keys with {KEY_SEPARATOR!r} name chunks of stored arrays, "
-                "which are read-only; use a key without it for runtime blocks"
-            )
+        check_runtime_key(key, self.store.spec)
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} for {key!r} must be one of {KINDS}")
-        nbytes = int(np.asarray(array).nbytes) if not hasattr(array, "nbytes") else array.nbytes
+        array = _as_block(key, array)
+        nbytes = int(array.nbytes)
         if nbytes > self._tiers[DEVICE].budget:
             raise BudgetError(
                 f"runtime block {key!r} has {nbytes} bytes, more than "
                 f"device_bytes={self._tiers[DEVICE].budget}; split it or raise device_bytes"
             )
+        if nbytes > self._writeback_bytes:
+            raise BudgetError(
+                f"runtime block {key!r} has {nbytes} bytes, more than "
+                f"writeback_bytes={self._writeback_bytes}; split it or raise writeback_bytes"
+            )
         value = self._tiers[DEVICE].load(array)
         info = BlockInfo(key, tuple(value.shape), np.dtype(value.dtype), int(value.nbytes))
+        deadline = self._deadline()
         while True:
             with self._lock:
                 self._drain()
                 transit = self._inflight.get(key)
-                if transit is None:
+                room = self._writeback_bytes - self._dirty_bytes + self._dirty.get(key, 0)
+                if transit is None and nbytes <= room:
                     self._discard(key)
                     self._runtime[key] = info
                     self._kinds[key] = kind
                     self._version[key] = self._version.get(key, 0) + 1
+                    self._dirty_bytes += nbytes - self._dirty.get(key, 0)
+                    self._dirty[key] = nbytes
                     self._inflight[key] = transit = _Transit()
                     self.policy.access(self._pstate, key, self._clock())
                     break
-            transit.wait()
+            if transit is not None:
+                transit.wait()
+                continue
+            self._wait_for_writeback_room(key, nbytes, deadline)
         try:
             if not self._make_room(DEVICE, info.nbytes, None):
                 raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
@@ -665,6 +886,28 @@ class TieredCache:
             raise
         transit.finish(value=value)
         self._start_writes()
+
+    def _wait_for_writeback_room(self, key: str, nbytes: int, deadline: float | None) -> None:
+        """Outside the lock: writes dirty blocks back and waits until one finishes.
+
+        Raises `StoreError` once ``deadline`` has passed (the write-backs keep failing or hang).
+        """
+        self._write_resident()
+        self._start_writes()
+        with self._lock:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                last = next(reversed(self._write_errors.values()), None)
+                raise StoreError(
+                    f"cannot put runtime block {key!r} ({nbytes} bytes): {self._dirty_bytes} "
+                    f"bytes of runtime blocks are still waiting to be written to store "
+                    f"{self.store.spec}, and writeback_bytes={self._writeback_bytes} leaves no "
+                    f"room after l3_timeout={self._l3_timeout} s"
+                    + (f"; the last write-back failed with: {last}" if last is not None else "")
+                    + ". The blocks stay in memory and are retried; free space in L3 or fix "
+                    "its server, then flush()"
+                )
+            self._written.wait(0.05 if left is None else min(0.05, left))
 
     def _discard(self, key: str) -> None:
         """Under the lock: forgets the cached copy of ``key`` (superseded by a new put)."""
@@ -708,19 +951,46 @@ class TieredCache:
     def flush(self, *, timeout: float | None = None) -> None:
         """Writes every dirty runtime block to L3 and waits until all writes are durable.
 
-        Resident blocks stay resident (now clean). Raises the first write error; blocks whose
-        write failed stay in memory and are retried by the next flush.
+        Resident blocks stay resident (now clean). A write that fails is retried once within
+        the same call; if it fails again, the first error is raised, and the block stays in
+        memory for the next flush.
+
+        Args:
+          timeout: seconds to wait; by default the cache's ``l3_timeout``.
+
+        Raises:
+          StoreError: a write-back failed (the block stays in memory).
+          TimeoutError: write-backs were still pending after ``timeout``.
         """
+        timeout = self._l3_timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in (1, 2):
+            self._write_resident()
+            self._start_writes()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self.wait_until_finished(timeout=left)
+                return
+            except StoreError:
+                # A write that started before the store recovered (space freed, server back)
+                # failed; the block is still in memory. Retry each such write once.
+                if attempt == 2 or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+
+    def _write_resident(self) -> None:
+        """Starts writes of the dirty runtime blocks in L1/L2 (they stay resident, then clean)."""
         with self._lock:
             self._drain()
-            resident = [(k, t.entries[k], self._version[k]) for t in self._tiers
-                        for k in t.entries if self._is_dirty(k) and k not in self._writes]
+            resident = [
+                (k, t.entries[k], self._version[k])
+                for t in self._tiers
+                for k in t.entries
+                if self._is_dirty(k) and k not in self._writes
+            ]
             for key, _, version in resident:
                 self._writes[key] = version
         for key, value, version in resident:
             self._write(key, value, version)
-        self._start_writes()
-        self.wait_until_finished(timeout=timeout)
 
     def wait_until_finished(self, *, timeout: float | None = None) -> None:
         """Waits for pending write-backs; raises the first error (the data stays in memory)."""
@@ -746,7 +1016,8 @@ class TieredCache:
     def check_for_errors(self) -> None:
         """Raises the first recorded write-back error, once."""
         with self._lock:
-            errors, self._write_errors[:] = list(self._write_errors), []
+            errors = list(self._write_errors.values())
+            self._write_errors.clear()
         if errors:
             raise errors[0]
 
@@ -867,6 +1138,31 @@ def _error_of(future: Any) -> BaseException | None:
     except BaseException as e:
         return e
     return None
+
+
+def _as_block(key: str, array: Any) -> Any:
+    """``array`` as a numeric numpy or JAX array that the device holds exactly, else an error."""
+    if not isinstance(array, jax.Array | np.ndarray):
+        try:
+            typed = isinstance(array, np.generic)  # a numpy scalar has a dtype of its own
+            array = np.asarray(array)
+            if not typed and array.dtype.kind in "biufc":
+                # Python numbers and lists have no dtype of their own; like jnp.asarray, give
+                # them JAX's default one (int32/float32 while jax_enable_x64 is off).
+                array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
+        except Exception as err:
+            raise TypeError(
+                f"cannot put {key!r}: a {type(array).__name__} is not an array ({err}); put a "
+                "numpy or JAX array"
+            ) from None
+    dtype = np.dtype(array.dtype)
+    if not _numeric(dtype):
+        raise TypeError(
+            f"cannot put {key!r}: dtype {dtype} is not a numeric array dtype; put a numpy or JAX "
+            "array of numbers"
+        )
+    check_device_dtype(dtype, key)
+    return array
 
 
 def _to_host(value: Any) -> np.ndarray:

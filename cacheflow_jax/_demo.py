@@ -305,8 +305,9 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
     Raises:
       DemoError: invalid settings.
       cacheflow_jax.BudgetError: a budget is smaller than one block.
-      predictor.CheckpointError: ``settings.predictor`` is missing or not a valid checkpoint
-        (checked before any pass runs).
+      predictor.CheckpointError: ``settings.predictor`` is missing or not a checkpoint
+        (checked before any pass runs). A damaged checkpoint (`CorruptCheckpointError`) is
+        not an error: the demo warns once and runs without the predictor.
     """
     from tqdm import tqdm
 
@@ -315,11 +316,15 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
     config = settings.model_config()
     mlp = None
     if settings.predictor is not None:
-        from predictor import CheckpointError
+        from predictor import CheckpointError, CorruptCheckpointError
         from predictor import load as load_predictor
 
         try:
             mlp = load_predictor(settings.predictor)
+        except CorruptCheckpointError as e:
+            # A damaged checkpoint must not stop serving: run without the predictor, and say so.
+            log(f"warning: {e}; running without the predictor")
+            mlp = None
         except CheckpointError as e:
             inner = Path(settings.predictor) / "checkpoint"
             if not (inner / "meta").is_dir():

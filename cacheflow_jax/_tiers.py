@@ -14,10 +14,28 @@ from typing import Any
 import jax
 import numpy as np
 
-from cacheflow_jax._blocks import BudgetError
+from cacheflow_jax._blocks import BudgetError, DtypeError
 
 # A value standing in for a block's bytes when the cache only tracks metadata (replay).
 PRESENT = True
+
+
+def check_device_dtype(dtype: np.dtype, key: str) -> None:
+    """Raises `DtypeError` if JAX would change ``dtype`` on the way to the device.
+
+    With ``jax_enable_x64`` off (JAX's default), ``jax.device_put`` silently narrows 64-bit
+    arrays (int64 -> int32, float64 -> float32, complex128 -> complex64); a cache must never
+    serve or write back such a changed block.
+    """
+    dtype = np.dtype(dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        raise DtypeError(
+            f"block {key!r} has dtype {dtype}, which JAX would silently narrow to {narrowed} on "
+            "the device because jax_enable_x64 is off. Enable 64-bit types first "
+            "(jax.config.update('jax_enable_x64', True)), or store the array as "
+            f"{narrowed} yourself"
+        )
 
 
 class AbstractTier(abc.ABC):
@@ -77,6 +95,8 @@ class DeviceTier(AbstractTier):
         if isinstance(value, jax.Array) and value.devices() == {self.device}:
             return value
         out = jax.device_put(value, self.device)
+        if out.dtype != value.dtype:  # a guard: callers check with check_device_dtype first
+            raise DtypeError(f"the device changed a block's dtype from {value.dtype} to {out.dtype}")
         out.block_until_ready()  # the transfer has finished before the bytes count as resident
         return out
 

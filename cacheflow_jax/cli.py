@@ -627,7 +627,7 @@ def _run_train(argv: Sequence[str]) -> int:
 
 BENCHMARKS = (
     "hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
-    "stats_speed",
+    "embedding", "gpu_kernels", "stats_speed",
 )
 
 

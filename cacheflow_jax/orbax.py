@@ -40,7 +40,7 @@ from cacheflow_jax._store import TensorStoreStore, open_store
 
 __all__ = ["LazyArray", "materialize", "restore_lazy"]
 
-_ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt")
+from cacheflow_jax._orbax_open import ORBAX_MARKERS as _ORBAX_MARKERS
 
 _NEED_BUDGETS = (
     "restore_lazy({path!r}) needs either cache=TieredCache(...) over that checkpoint, or both "

@@ -28,7 +28,15 @@ from predictor._baselines import (
     split_index,
     stride,
 )
-from predictor._checkpoint import FORMAT_VERSION, CheckpointError, load, read_meta, save
+from predictor._checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CorruptCheckpointError,
+    load,
+    read_meta,
+    save,
+    verify,
+)
 from predictor._features import FEATURES, NUM_FEATURES, FeatureConfig, FeatureState
 from predictor._metrics import Metrics, prediction_metrics, run_predictor
 from predictor._model import (
@@ -49,6 +57,7 @@ __all__ = [
     "NUM_FEATURES",
     "Access",
     "CheckpointError",
+    "CorruptCheckpointError",
     "FeatureConfig",
     "FeatureState",
     "LastSuccessor",
@@ -73,5 +82,6 @@ __all__ = [
     "score_candidates",
     "split_index",
     "stride",
+    "verify",
     "successor_mask",
 ]

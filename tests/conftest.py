@@ -105,3 +105,18 @@ def _wait_for_port(proc: subprocess.Popen, port: int, log: IO[bytes]) -> None:
             if time.monotonic() > deadline:
                 pytest.fail(f"moto_server did not answer on 127.0.0.1:{port} within 30 s")
             time.sleep(0.1)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Prints the fault suite's tally (injected / detected / served wrong / lost) per fault."""
+    import _faults
+
+    text = _faults.table()
+    if not text:
+        return
+    terminalreporter.write_sep("=", "fault suite: injected / detected with a clear error / served wrong / lost")
+    terminalreporter.write_line(text)
+    path = os.environ.get("CACHEFLOW_FAULT_REPORT")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")

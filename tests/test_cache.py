@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -16,6 +17,16 @@ from hypothesis import HealthCheck, given, settings
 import cacheflow_jax as cfj
 
 POLICIES = ["lfu", "lru", "lfu-plain"]
+
+
+@pytest.fixture(autouse=True, params=["arrays", "slab"])
+def device_layout(request, monkeypatch):
+    """Runs every test of this file against both L1 layouts (`DeviceTier` and `SlabTier`)."""
+    if request.param != "arrays":
+        monkeypatch.setattr(
+            cfj, "TieredCache", functools.partial(cfj.TieredCache, device_layout=request.param)
+        )
+    return request.param
 
 
 class FakeClock:
@@ -428,12 +439,12 @@ def test_corrupted_chunk_names_key_and_file(tmp_path):
 
 
 @pytest.mark.s3
-def test_s3_store_through_the_cache(s3_server):
+def test_s3_store_through_the_cache(s3_server, device_layout):
     """write_store to a real S3 server on loopback, then read every block back through the cache."""
     rng = np.random.default_rng(7)
     w = rng.standard_normal((12, 8)).astype(jnp.bfloat16)
     b = rng.integers(-128, 127, (30,), dtype=np.int8)
-    url = f"s3://{s3_server.bucket}/cache-test"
+    url = f"s3://{s3_server.bucket}/cache-test-{device_layout}"
     kw = {"s3_endpoint": s3_server.endpoint, "s3_region": s3_server.region}
     cfj.write_store({"w": w, "b": b}, url, chunk_bytes=32, **kw)
     store = cfj.open_store(url, **kw)

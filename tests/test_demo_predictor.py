@@ -66,12 +66,16 @@ def test_demo_training_output_dir_points_at_its_checkpoint(
     assert code == 2 and f"did you mean --predictor {checkpoint}?" in err
 
 
-def test_demo_corrupted_predictor_exits_2(
+def test_demo_corrupted_predictor_warns_once_and_runs_without_it(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     bad = tmp_path / "ckpt"
     (bad / "meta").mkdir(parents=True)
     (bad / "meta" / "metadata").write_text("{not json")
-    code, _, err = _run(capsys, "demo", "--workdir", str(tmp_path / "w"), "--predictor", str(bad),
-                        *SMALL_DEMO)  # fmt: skip
-    assert code == 2 and str(bad) in err and "Traceback" not in err
+    code, out, err = _run(capsys, "demo", "--workdir", str(tmp_path / "w"), "--predictor",
+                          str(bad), "--requests", "4", *SMALL_DEMO, "--json")  # fmt: skip
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(bad) in warnings[0] and "without the predictor" in warnings[0]
+    assert "Traceback" not in err
+    assert all("predictor" not in row for row in json.loads(out))

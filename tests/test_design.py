@@ -93,7 +93,7 @@ def test_module_map_forbids_what_the_design_forbids() -> None:
     rows = _module_map()
     # The cache must not import a concrete predictor or the training script.
     assert not any(a.startswith(("predictor", "training")) for a in rows["cacheflow_jax/_cache.py"])
-    assert rows["pallas_kernels/*"] == []
+    assert rows["pallas_kernels/*"] == ["pallas_kernels"]
     assert "training" not in " ".join(rows["cacheflow_jax/cli.py"])
 
 

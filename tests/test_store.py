@@ -176,7 +176,7 @@ def test_chunk_bytes_must_be_positive(tmp_path: Path, chunk_bytes: int) -> None:
 
 
 def test_gcs_and_s3_specs_are_built() -> None:
-    from cacheflow_jax._store import _resolve
+    from cacheflow_jax._locations import _resolve
 
     kv, label, local = _resolve("gs://bkt/some/prefix", None, None)
     assert kv == {"driver": "gcs", "bucket": "bkt", "path": "some/prefix/"} and local is None
@@ -306,7 +306,9 @@ def test_runtime_blocks_write_read_reopen(tmp_path: Path) -> None:
     assert same_bits(open_store(tmp_path / "s").read("kv:abc123").result(), np.zeros(3, np.uint8))
     with pytest.raises(ValueError, match="read-only"):
         reopened.write("a@0", np.zeros(4, np.float32))
-    assert not list((tmp_path / "s" / "_runtime").glob("*.tmp*"))
+    # Only block files are left: no temporary file of the atomic writes.
+    left = [p for p in (tmp_path / "s" / "_runtime").rglob("*") if p.is_file()]
+    assert left and all(p.name.endswith(".block") for p in left), left
 
 
 def test_runtime_only_store_needs_create() -> None:
@@ -440,7 +442,7 @@ def _ts_block(store: TensorStoreStore, key: str) -> np.ndarray:
 
 
 def _is_fast(store: TensorStoreStore, key: str) -> bool:
-    from cacheflow_jax._store import _FastChunkFuture
+    from cacheflow_jax._futures import FastChunkFuture as _FastChunkFuture
 
     return isinstance(store.read(key), _FastChunkFuture)
 
@@ -566,24 +568,40 @@ def test_no_fast_path_for_bool_or_other_kvstores(tmp_path: Path) -> None:
     assert_store_matches(store, {"f": flags, "x": np.arange(3.0)})
 
 
-def test_fast_path_missing_chunk_reads_fill_value(tmp_path: Path) -> None:
+def test_fast_path_missing_chunk_foreign_store_reads_fill_value(tmp_path: Path) -> None:
+    # A zarr3 hierarchy not written by write_store follows zarr's rule: no chunk file, fill value.
     src = np.arange(12, dtype=np.int16).reshape(4, 3)
     _make_zarr3(tmp_path / "s", "w", src, [2, 2], codecs=CRC, fill_value=7)
-    store = write_store({"x": np.ones((4, 3), np.float32)}, tmp_path / "t", chunk_bytes=12)
     (tmp_path / "s" / "w" / "c" / "1" / "1").unlink()  # block w@1,1: rows 2-3, column 2
-    (tmp_path / "t" / "x" / "c" / "2" / "0").unlink()  # block x@2,0: row 2
-    for root, key, fill in ((tmp_path / "s", "w@1,1", 7), (tmp_path / "t", "x@2,0", 0)):
-        store = open_store(root)
-        fut = store.read(key)
-        called: list[object] = []
-        fut.add_done_callback(called.append)
-        value = fut.result(timeout=30)
-        assert fut.done() and called == [fut]
-        assert (value == fill).all() and value.shape == store.info(key).shape
-        assert same_bits(value, _ts_block(store, key))
-        others = [k for k in store.keys() if k != key]
-        for k, f in zip(others, store.read_many(others), strict=True):
-            assert same_bits(f.result(), _ts_block(store, k))
+    store = open_store(tmp_path / "s")
+    fut = store.read("w@1,1")
+    called: list[object] = []
+    fut.add_done_callback(called.append)
+    value = fut.result(timeout=30)
+    assert fut.done() and called == [fut]
+    assert (value == 7).all() and value.shape == store.info("w@1,1").shape
+    assert same_bits(value, _ts_block(store, "w@1,1"))
+    others = [k for k in store.keys() if k != "w@1,1"]
+    for k, f in zip(others, store.read_many(others), strict=True):
+        assert same_bits(f.result(), _ts_block(store, k))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "tensorstore"])
+def test_missing_chunk_of_a_written_store_is_an_error(tmp_path: Path, fast: bool) -> None:
+    # write_store writes every chunk, so a missing one is lost data: an error naming the key and
+    # the file, never the fill value (issue 9).
+    src = {"x": np.ones((4, 3), np.float32), "f": np.array([True, False, True, True])}
+    store = write_store(src, tmp_path / "t", chunk_bytes=12)
+    key, chunk = ("x@2,0", "x/c/2/0") if fast else ("f@0", "f/c/0")
+    assert _is_fast(store, key) == fast
+    (tmp_path / "t" / chunk).unlink()
+    store = open_store(tmp_path / "t")
+    with pytest.raises(StoreError, match="missing its chunk") as exc:
+        store.read(key).result(timeout=30)
+    assert repr(key) in str(exc.value) and str(tmp_path / "t" / chunk) in str(exc.value)
+    others = [k for k in store.keys() if k != key]
+    for k, f in zip(others, store.read_many(others), strict=True):
+        assert same_bits(f.result(), _ts_block(store, k))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "crc"])
@@ -620,6 +638,6 @@ def test_fast_path_corruption_names_key_and_file(tmp_path: Path, damage: str) ->
 def test_crc32c_is_the_c_implementation() -> None:
     import google_crc32c
 
-    from cacheflow_jax._store import _CRC32C
+    from cacheflow_jax._fastread import _CRC32C
 
     assert google_crc32c.implementation == "c" and _CRC32C is not None
