@@ -19,8 +19,9 @@ from cacheflow_jax._blocks import (
     block_key,
     parse_key,
 )
-from cacheflow_jax._cache import Prefetcher, TieredCache, kind_of
+from cacheflow_jax._cache import TieredCache, kind_of
 from cacheflow_jax._policy import Policy, get_policy, lfu, lfu_plain, lru
+from cacheflow_jax._prefetch import PrefetchSettings
 from cacheflow_jax._serving import ServingSession, serving
 from cacheflow_jax._store import TensorStoreStore, open_store, write_store
 from cacheflow_jax.orbax import LazyArray, materialize, restore_lazy
@@ -35,7 +36,7 @@ __all__ = [
     "CorruptBlockError",
     "DtypeError",
     "Policy",
-    "Prefetcher",
+    "PrefetchSettings",
     "ServingSession",
     "Store",
     "StoreError",

@@ -27,14 +27,21 @@ import threading
 import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from cacheflow_jax._blocks import BlockInfo, BudgetError, Store, StoreError, StoreTimeoutError
 from cacheflow_jax._locations import DEFAULT_TIMEOUT
-from cacheflow_jax._policy import Policy, admit_all, get_policy
+from cacheflow_jax._planner import REFUSED, Planner
+from cacheflow_jax._policy import Policy, get_policy
+from cacheflow_jax._prefetch import (
+    PrefetchScheduler,
+    PrefetchSettings,
+    PrefetchWorker,
+    new_counters,
+)
 from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
 from cacheflow_jax._slab import make_device_tier
 from cacheflow_jax._tiers import (
@@ -45,19 +52,12 @@ from cacheflow_jax._tiers import (
     check_device_dtype,
 )
 
+if TYPE_CHECKING:
+    from predictor import Predictor
+
 DEVICE, HOST = 0, 1
 
 KINDS = ("weight", "embedding", "kv", "other")
-
-
-class Prefetcher(Protocol):
-    """What the cache asks of a prefetcher: it sees accesses and proposes keys to load."""
-
-    def observe(self, access: dict) -> None: ...
-
-    def predict(self, k: int) -> list[tuple[str, float]]: ...
-
-    def reset(self) -> None: ...
 
 
 class _Transit:
@@ -67,13 +67,16 @@ class _Transit:
     (``threading.Event`` builds a Condition), and transits are made on every miss.
     """
 
-    __slots__ = ("_gate", "value", "error")
+    __slots__ = ("_gate", "value", "error", "prefetch", "demanded", "min_age")
 
-    def __init__(self) -> None:
+    def __init__(self, prefetch: bool = False) -> None:
         self._gate = _allocate_lock()
         self._gate.acquire()
         self.value: Any = None  # the device array when the transit was a load
         self.error: BaseException | None = None
+        self.prefetch = prefetch  # a prefetch load: nobody asked for the block yet
+        self.demanded = False  # a demand access came while the prefetch was loading (late)
+        self.min_age = 0.0  # a prefetch: its expected distance to use (planner admission)
 
     def finish(self, value: Any = None, error: BaseException | None = None) -> None:
         self.value, self.error = value, error
@@ -99,8 +102,10 @@ class TieredCache:
       device_bytes: L1 budget in bytes; at least the largest block of the store.
       host_bytes: L2 budget in bytes; 0 disables L2, otherwise at least the largest block.
       policy: a policy name (``"lfu"``, ``"lru"``, ``"lfu-plain"``) or a `Policy`.
-      prefetcher: reserved for the learned prefetcher (`Prefetcher` protocol). Prefetching is not
-        wired into the cache yet, so passing one raises rather than being silently ignored.
+      prefetcher: a `predictor.Predictor` (``observe`` / ``predict`` / ``reset``) that drives
+        asynchronous L3 -> L2 -> L1 loads of the blocks it expects next; None: no prefetch.
+        See `cacheflow_jax._prefetch` and ``prefetch``.
+      prefetch: how to prefetch (a `PrefetchSettings`); the defaults when None.
       clock: seconds, monotonic; injected for tests and replay.
       device: the L1 device; the default device if omitted.
       tiers: advanced: replace the L1/L2 tier objects (replay uses metadata-only tiers).
@@ -138,7 +143,8 @@ class TieredCache:
         device_bytes: int,
         host_bytes: int,
         policy: str | Policy = "lfu",
-        prefetcher: Prefetcher | None = None,
+        prefetcher: Predictor | None = None,
+        prefetch: PrefetchSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         device: jax.Device | None = None,
         tiers: Sequence[AbstractTier] | None = None,
@@ -181,16 +187,20 @@ class TieredCache:
         self._writeback_bytes = int(writeback_bytes)
         self.store = store
         self.policy = get_policy(policy)
-        self._admit = None if self.policy.admit is admit_all else self.policy.admit
-        if prefetcher is not None:
-            raise NotImplementedError(
-                "prefetcher=: prefetching is not wired into TieredCache yet; predictors can be "
-                "trained and evaluated offline with `cacheflow train` (see docs/predictor.md)"
-            )
+        if prefetch is not None and not isinstance(prefetch, PrefetchSettings):
+            raise TypeError(f"prefetch={prefetch!r} must be a PrefetchSettings or None")
+        settings = prefetch or PrefetchSettings()
         self.prefetcher = prefetcher
         self._clock = clock
-        self._pstate = self.policy.init(len(self._tiers))
-        ttl = self.policy.describe(self._pstate).get("ttl")
+        has_host = len(self._tiers) > HOST and self._tiers[HOST].budget > 0
+        self._planner = Planner(
+            self.policy,
+            len(self._tiers),
+            has_host=has_host,
+            tracking=prefetcher is not None,
+        )
+        self._pstate = self._planner.state
+        ttl = self._planner.describe().get("ttl")
         self._has_ttl = ttl is not None
         # TTL checks run at most every ttl/64 seconds: a block leaves within ttl * 65/64.
         self._expire_every = ttl / 64 if ttl else math.inf
@@ -230,7 +240,14 @@ class TieredCache:
         # across a wait, so a finishing read never waits for the cache lock.
         self._l3_lock = threading.Lock()
         self._l3 = {"reads": 0, "read_bytes": 0, "read_seconds": 0.0}
-        self._prefetch = {"issued": 0, "used": 0, "demand_misses_removed": 0}
+        self._pf = new_counters()
+        self._pf_scheduler: PrefetchScheduler | None = None
+        self._pf_worker: PrefetchWorker | None = None
+        self._pf_replay: _ReplayPrefetch | None = None
+        self._pf_inflight = 0  # bytes of prefetch loads issued and not installed
+        self._pf_limit = 0
+        if prefetcher is not None:
+            self._setup_prefetch(prefetcher, settings, largest)
 
     # ------------------------------------------------------------------------------ hit path
 
@@ -347,16 +364,16 @@ class TieredCache:
                         continue
                     out[key] = value
             first_error: BaseException | None = None
+            deadline = self._deadline()
             for key, future in zip(owned, self._read_many(owned)):
                 transit = self._inflight[key]
                 try:
-                    value = future.result()
+                    value = self._read_result(key, future, deadline)
                     host_value = self._load_host(key, infos[key].nbytes, value)
                     with self._lock:
                         if host_value is not None:
                             self._tiers[HOST].put_reserved(key, host_value, infos[key].nbytes)
-                            self.policy.insert(self._pstate, HOST, key, self._clock(),
-                                               infos[key].nbytes)
+                            self._planner.insert(HOST, key, self._clock(), infos[key].nbytes)
                         del self._inflight[key]
                         self._notify_room()
                     out[key] = value
@@ -420,71 +437,100 @@ class TieredCache:
         """
         if now is None:
             now = self._clock()
+        if self._pf_replay is not None:
+            self._pf_replay.before(key, now)
         info = self._runtime.get(key) if self._runtime else None
         nbytes = (info or self._store_info(key)).nbytes
         # `_account`, inlined: this is replay's per-access path.
         n = self._n
         n["bytes"] += nbytes
-        policy, state = self.policy, self._pstate
+        planner = self._planner
         if key in self._l1:
             n["device"] += 1
-            policy.access(state, key, now)
+            if planner.access(key, now):
+                self._pf_count_use(nbytes, late=False)
             if self._has_ttl and now >= self._next_expire:
                 self._expire(now)
-            return
-        host = self._host
-        if host is not None and key in host.entries:
-            n["host"] += 1
-            policy.access(state, key, now)
-            if self._has_ttl and now >= self._next_expire:
-                self._expire(now)
-            policy.remove(state, HOST, key)
-            del host.entries[key]
-            host.used -= nbytes
-            n["host_bytes"] += nbytes
         else:
-            n["miss"] += 1
-            n["miss_bytes"] += nbytes
-            policy.access(state, key, now)
-            if self._has_ttl and now >= self._next_expire:
-                self._expire(now)
-        l1 = self._tiers[DEVICE]
-        if l1.used + nbytes <= l1.budget or self._room_sync(DEVICE, nbytes, key, now):
+            host = self._host
+            if host is not None and key in host.entries:
+                n["host"] += 1
+                if planner.access(key, now):
+                    self._pf_count_use(nbytes, late=False)
+                if self._has_ttl and now >= self._next_expire:
+                    self._expire(now)
+                planner.remove(HOST, key)
+                del host.entries[key]
+                host.used -= nbytes
+                n["host_bytes"] += nbytes
+            else:
+                n["miss"] += 1
+                n["miss_bytes"] += nbytes
+                planner.access(key, now)
+                if self._has_ttl and now >= self._next_expire:
+                    self._expire(now)
+            self._install_sync(key, nbytes, now, prefetched=False)
+        if self._pf_replay is not None:
+            self._pf_replay.after(key, now)
+
+    def _install_sync(
+        self, key: str, nbytes: int, now: float, *, prefetched: bool, min_age: float = 0.0
+    ) -> bool:
+        """Replay: puts ``key`` in L1, else L2, as the planner admits; True if it went in."""
+        l1, host, planner = self._tiers[DEVICE], self._host, self._planner
+        if l1.used + nbytes <= l1.budget or self._room_sync(
+            DEVICE, nbytes, key, now, prefetch=prefetched, min_age=min_age
+        ):
             l1.used += nbytes
             self._l1[key] = PRESENT
-            policy.insert(state, DEVICE, key, now, nbytes)
-        elif host is not None and (
-            host.used + nbytes <= host.budget or self._room_sync(HOST, nbytes, key, now)
+            planner.insert(DEVICE, key, now, nbytes, prefetched=prefetched, expected=min_age)
+            return True
+        if host is not None and (
+            host.used + nbytes <= host.budget
+            or self._room_sync(HOST, nbytes, key, now, prefetch=prefetched, min_age=min_age)
         ):
             host.used += nbytes
             host.entries[key] = PRESENT
-            policy.insert(state, HOST, key, now, nbytes)
+            planner.insert(HOST, key, now, nbytes, prefetched=prefetched, expected=min_age)
+            return True
+        return False
 
-    def _room_sync(self, tier_index: int, nbytes: int, key: str, now: float) -> bool:
+    def _room_sync(
+        self,
+        tier_index: int,
+        nbytes: int,
+        key: str,
+        now: float,
+        *,
+        prefetch: bool = False,
+        min_age: float = 0.0,
+    ) -> bool:
         """`_make_room` and `_evict_one` for `access_sync`: the same decisions, no transfers.
 
-        Evicts until ``nbytes`` fit in the tier and returns True, or returns False if the policy
+        Evicts until ``nbytes`` fit in the tier and returns True, or returns False if the planner
         does not admit ``key``; the caller adds ``nbytes`` to the tier's ``used``.
         """
         tier = self._tiers[tier_index]
         if nbytes > tier.budget:
             return False
-        policy, state, admit = self.policy, self._pstate, self._admit
+        planner = self._planner
         entries, runtime, store_info = tier.entries, self._runtime, self._store_info
         host = self._host if tier_index == DEVICE else None  # victims of L1 go down to L2
         while tier.used + nbytes > tier.budget:
-            victim = policy.victim(state, tier_index)
-            if victim is None or admit is not None and not admit(state, key, victim):
+            victim = planner.victim(tier_index, key, prefetch=prefetch, min_age=min_age)
+            if victim is None or victim is REFUSED:
                 return False
-            policy.remove(state, tier_index, victim)
+            was_unused, seen = planner.remove(tier_index, victim)
             del entries[victim]
             size = ((runtime.get(victim) if runtime else None) or store_info(victim)).nbytes
-            if host is not None and (
+            if was_unused:
+                self._pf_count("wasted", size)
+            elif host is not None and (
                 host.used + size <= host.budget or self._room_sync(HOST, size, victim, now)
             ):
                 host.used += size
                 host.entries[victim] = PRESENT
-                policy.insert(state, HOST, victim, now, size)
+                planner.insert(HOST, victim, now, size, seen=seen)
             tier.used -= size
         return True
 
@@ -527,6 +573,13 @@ class TieredCache:
             return ("hit", value)
         transit = self._inflight.get(key)
         if transit is not None:
+            if transit.prefetch and not transit.demanded:
+                # A prefetch still loading: the access waits for it (a late prefetch, and a
+                # demand miss as far as the counters go).
+                transit.demanded = True
+                nbytes = self.info(key).nbytes
+                self._account(key, "miss", now, nbytes)
+                self._pf_count_use(nbytes, late=True)
             return ("wait", transit)
         info = self.info(key)
         if self._check_dtypes:
@@ -535,7 +588,7 @@ class TieredCache:
         if host is not None and key in host.entries:
             self._account(key, "host", now, info.nbytes)
             # The block leaves L2 now; its bytes are released so that L1's victim can take them.
-            self.policy.remove(self._pstate, HOST, key)
+            self._planner.remove(HOST, key)
             value = host.pop(key)
             host.release(info.nbytes)
         elif key in self._unwritten:
@@ -555,7 +608,8 @@ class TieredCache:
             n["miss_bytes"] += nbytes
         elif where == "host":
             n["host_bytes"] += nbytes
-        self.policy.access(self._pstate, key, now)
+        if self._planner.access(key, now):
+            self._pf_count_use(nbytes, late=False)
         if self._has_ttl:
             self._expire(now)
 
@@ -612,10 +666,10 @@ class TieredCache:
             with self._lock:
                 if in_l1:
                     self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
-                    self.policy.insert(self._pstate, DEVICE, key, self._clock(), info.nbytes)
+                    self._planner.insert(DEVICE, key, self._clock(), info.nbytes)
                 elif host_value is not None:
                     self._tiers[HOST].put_reserved(key, host_value, info.nbytes)
-                    self.policy.insert(self._pstate, HOST, key, self._clock(), info.nbytes)
+                    self._planner.insert(HOST, key, self._clock(), info.nbytes)
                 if in_l1 or host_value is not None:
                     self._unwritten.pop(key, None)
                 elif self._is_dirty(key) and key not in self._unwritten:
@@ -633,12 +687,16 @@ class TieredCache:
         self._start_writes()
         return value
 
-    def _load_host(self, key: str, nbytes: int, value: Any) -> Any:
-        """Reserves room in L2 if the policy admits ``key`` and copies the value to host.
+    def _load_host(
+        self, key: str, nbytes: int, value: Any, *, prefetch: bool = False, min_age: float = 0.0
+    ) -> Any:
+        """Reserves room in L2 if the planner admits ``key`` and copies the value to host.
 
         Returns the host value (the caller installs it under the lock) or None if not admitted.
         """
-        if len(self._tiers) <= HOST or not self._make_room(HOST, nbytes, key):
+        if len(self._tiers) <= HOST or not self._make_room(
+            HOST, nbytes, key, prefetch=prefetch, min_age=min_age
+        ):
             return None
         try:
             return self._tiers[HOST].load(value)
@@ -648,22 +706,34 @@ class TieredCache:
                 self._notify_room()
             raise
 
-    def _make_room(self, tier_index: int, nbytes: int, key: str | None) -> bool:
-        """Reserves ``nbytes`` in a tier, evicting (demoting) victims as the policy says.
+    def _make_room(
+        self,
+        tier_index: int,
+        nbytes: int,
+        key: str | None,
+        *,
+        prefetch: bool = False,
+        min_age: float = 0.0,
+    ) -> bool:
+        """Reserves ``nbytes`` in a tier, evicting (demoting) victims as the planner says.
 
         Returns False when the newcomer ``key`` is not admitted (or nothing can be evicted);
-        ``key=None`` skips admission (explicit puts).
+        ``key=None`` skips admission (explicit puts). A ``prefetch`` newcomer never waits for
+        room and displaces only what the planner lets a prefetch displace.
         """
         tier = self._tiers[tier_index]
         if nbytes > tier.budget:
             return False
+        planner = self._planner
         while True:
             with self._lock:
                 if tier.reserve(nbytes):
                     return True
-                victim = self.policy.victim(self._pstate, tier_index)
+                if planner.tracking:
+                    self._drain()  # a buffered hit on an unused prefetch makes it used first
+                victim = planner.victim(tier_index, key, prefetch=prefetch, min_age=min_age)
                 if victim is None:
-                    if not self._inflight:
+                    if prefetch or not self._inflight:
                         return False
                     # Every byte is reserved by transfers in flight: wait (without the lock)
                     # until one of them releases room.
@@ -673,25 +743,30 @@ class TieredCache:
                     finally:
                         self._room_waiters -= 1
                     continue
-                if key is not None and not self.policy.admit(self._pstate, key, victim):
+                if victim is REFUSED:
                     return False
-                self.policy.remove(self._pstate, tier_index, victim)
+                was_unused, seen = planner.remove(tier_index, victim)
                 value = tier.pop(victim)
+                if was_unused:
+                    self._pf_count("wasted", self.info(victim).nbytes)
                 self._inflight[victim] = _Transit()
-            self._evict_one(tier_index, victim, value)
+                destination = planner.destination(tier_index, was_unused)
+            self._evict_one(tier_index, victim, value, destination, seen)
 
-    def _evict_one(self, tier_index: int, key: str, value: Any) -> None:
+    def _evict_one(
+        self, tier_index: int, key: str, value: Any, destination: int | None, seen: int | None
+    ) -> None:
         """Moves one victim down a tier (or out), then releases its room above."""
         nbytes = self.info(key).nbytes
         host_value = None
         try:
-            if tier_index == DEVICE:
+            if destination == HOST:
                 host_value = self._load_host(key, nbytes, value)
         finally:
             with self._lock:
                 if host_value is not None:
                     self._tiers[HOST].put_reserved(key, host_value, nbytes)
-                    self.policy.insert(self._pstate, HOST, key, self._clock(), nbytes)
+                    self._planner.insert(HOST, key, self._clock(), nbytes, seen=seen)
                 elif self._is_dirty(key):
                     self._unwritten[key] = value  # written back later; readers are served from it
                 self._tiers[tier_index].release(nbytes)
@@ -777,14 +852,16 @@ class TieredCache:
         if not count:
             return
         now = self._clock()
-        access, state, popleft = self.policy.access, self._pstate, reads.popleft
+        access, popleft = self._planner.access, reads.popleft
         size_of = self._tiers[DEVICE].sizes.get
         nbytes = 0
         for _ in range(count):
             key = popleft()
             # The block was in L1 when hit; if it left since, look its size up in the store.
-            nbytes += size_of(key) or self.info(key).nbytes
-            access(state, key, now)
+            size = size_of(key) or self.info(key).nbytes
+            nbytes += size
+            if access(key, now):
+                self._pf_count_use(size, late=False)
         n = self._n
         n["device"] += count
         n["bytes"] += nbytes
@@ -797,8 +874,9 @@ class TieredCache:
             return
         self._next_expire = now + self._expire_every
         for tier_index, tier in enumerate(self._tiers):
-            for key in self.policy.expired(self._pstate, tier_index, now):
-                self.policy.remove(self._pstate, tier_index, key)
+            for key in self._planner.expired(tier_index, now):
+                if self._planner.remove(tier_index, key)[0]:
+                    self._pf_count("wasted", self.info(key).nbytes)
                 value = tier.pop(key)
                 tier.release(self.info(key).nbytes)
                 if self._is_dirty(key):
@@ -864,7 +942,7 @@ class TieredCache:
                     self._dirty_bytes += nbytes - self._dirty.get(key, 0)
                     self._dirty[key] = nbytes
                     self._inflight[key] = transit = _Transit()
-                    self.policy.access(self._pstate, key, self._clock())
+                    self._planner.access(key, self._clock())
                     break
             if transit is not None:
                 transit.wait()
@@ -875,7 +953,7 @@ class TieredCache:
                 raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
             with self._lock:
                 self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
-                self.policy.insert(self._pstate, DEVICE, key, self._clock(), info.nbytes)
+                self._planner.insert(DEVICE, key, self._clock(), info.nbytes)
                 del self._inflight[key]
                 self._notify_room()
         except BaseException as e:
@@ -913,7 +991,7 @@ class TieredCache:
         """Under the lock: forgets the cached copy of ``key`` (superseded by a new put)."""
         for tier_index, tier in enumerate(self._tiers):
             if key in tier.entries:
-                self.policy.remove(self._pstate, tier_index, key)
+                self._planner.remove(tier_index, key)
                 tier.pop(key)
                 tier.release(self.info(key).nbytes)
         self._unwritten.pop(key, None)
@@ -937,7 +1015,8 @@ class TieredCache:
             self._drain()
             for tier_index, tier in enumerate(self._tiers):
                 if key in tier.entries:
-                    self.policy.remove(self._pstate, tier_index, key)
+                    if self._planner.remove(tier_index, key)[0]:
+                        self._pf_count("wasted", self.info(key).nbytes)
                     value = tier.pop(key)
                     tier.release(self.info(key).nbytes)
                     if self._is_dirty(key):
@@ -1021,6 +1100,260 @@ class TieredCache:
         if errors:
             raise errors[0]
 
+    # ------------------------------------------------------------------------------ prefetch
+
+    def _setup_prefetch(self, predictor: Predictor, settings: PrefetchSettings, largest: int) -> None:
+        """Builds the scheduler; starts the live worker, or the replay/synchronous driver."""
+        self._pf_limit = settings.inflight_bytes or max(largest, self._tiers[DEVICE].budget // 4)
+        replay = isinstance(self._tiers[DEVICE], MetadataTier)
+        seen: set[str] | None = None if settings.keys_known or not replay else set()
+
+        def fetchable(key: str) -> bool:
+            if seen is not None:
+                return key in seen
+            try:
+                self.info(key)
+            except (KeyError, TypeError):
+                return False
+            return True
+
+        def describe(key: str) -> tuple[int, str]:
+            info = self.info(key)
+            return info.nbytes, self._kinds.get(key) or kind_of(info)
+
+        self._pf_scheduler = PrefetchScheduler(
+            predictor, settings, describe=describe, fetchable=fetchable
+        )
+        if replay or settings.synchronous:
+            self._pf_replay = _ReplayPrefetch(self, settings, seen, data=not replay)
+            if not replay:
+                self.get = self._get_synchronous  # type: ignore[method-assign]
+                self.get_many = self._get_many_synchronous  # type: ignore[method-assign]
+        else:
+            self.start_prefetch()
+
+    def start_prefetch(self) -> None:
+        """Starts the background prefetch worker (if this cache prefetches and it is stopped).
+
+        `serving` calls it on entry; the constructor already did for a new cache.
+        """
+        if self._pf_scheduler is None or self._pf_replay is not None:
+            return
+        if self._pf_worker is not None and self._pf_worker.alive:
+            return
+        self._pf_worker = PrefetchWorker(self, self._pf_scheduler)
+        self.get = self._get_feeding  # type: ignore[method-assign]
+        self.get_many = self._get_many_feeding  # type: ignore[method-assign]
+
+    def stop_prefetch(self) -> None:
+        """Stops the prefetch worker: no thread is left and no load lands after this returns.
+
+        Loads still in flight are abandoned (a waiting access reads the block itself). `serving`
+        calls it on exit; `start_prefetch` starts again.
+        """
+        worker = self._pf_worker
+        if worker is None:
+            return
+        self.__dict__.pop("get", None)
+        self.__dict__.pop("get_many", None)
+        self._pf_worker = None
+        worker.stop()
+
+    def pause_prefetch(self, paused: bool) -> None:
+        """While paused, accesses still teach the predictor, but no prefetch is issued."""
+        if self._pf_replay is not None:
+            self._pf_replay.paused = paused
+        elif self._pf_worker is not None:
+            self._pf_worker.paused = paused
+
+    def reset_counters(self) -> None:
+        """Zeroes the hit, miss and prefetch counters (the cache's contents stay)."""
+        with self._lock:
+            self._drain()
+            for name in self._n:
+                self._n[name] = 0
+            for name in self._pf:
+                self._pf[name] = 0
+
+    def close(self) -> None:
+        """Stops prefetching and writes every dirty block back (`flush`)."""
+        self.stop_prefetch()
+        self.flush()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get_feeding(self, key: str, req: str | None = None) -> jax.Array:
+        """`get` with a prefetch worker: the access also goes to the worker's feed."""
+        value = TieredCache.get(self, key)
+        worker = self._pf_worker
+        if worker is not None:
+            worker.feed.append(key)
+            if worker.idle:
+                worker.poke()
+        return value
+
+    def _get_many_feeding(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
+        """`get_many` with a prefetch worker: the batch goes to the feed as one item."""
+        keys = list(keys)
+        values = TieredCache.get_many(self, keys)
+        worker = self._pf_worker
+        if worker is not None:
+            worker.feed.append(tuple(keys))
+            if worker.idle:
+                worker.poke()
+        return values
+
+    def _get_synchronous(self, key: str, req: str | None = None) -> jax.Array:
+        """`get` with ``PrefetchSettings(synchronous=True)``: prefetches as replay does."""
+        replay = self._pf_replay
+        assert replay is not None
+        now = self._clock()
+        replay.before(key, now)
+        value = TieredCache.get(self, key)
+        replay.after(key, now)
+        return value
+
+    def _get_many_synchronous(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
+        """`get_many` with synchronous prefetch: one access at a time, in order."""
+        return [self._get_synchronous(key) for key in keys]
+
+    def _pf_count(self, name: str, nbytes: int) -> None:
+        pf = self._pf
+        pf[name] += 1
+        pf[name + "_bytes"] += nbytes
+
+    def _pf_count_use(self, nbytes: int, *, late: bool) -> None:
+        """Under the lock: a prefetched block was asked for (timely: resident; late: loading)."""
+        self._pf_count("used", nbytes)
+        self._pf_count("late" if late else "timely", nbytes)
+
+    def _pf_fresh(self, key: str) -> bool:
+        """Under the lock: ``key`` is not resident, moving or waiting for a write-back."""
+        host = self._host
+        return not (
+            key in self._l1
+            or (host is not None and key in host.entries)
+            or key in self._inflight
+            or key in self._unwritten
+        )
+
+    def _prefetch_issue(self, key: str, worker: PrefetchWorker, min_age: float) -> str:
+        """Starts one prefetch load (worker thread); ``min_age``: see `Planner.victim`.
+
+        Returns ``"issued"``, ``"skip"`` (resident, moving, unknown, or unusable) or ``"full"``
+        (the in-flight bytes are at their bound).
+        """
+        with self._lock:
+            if not self._pf_fresh(key):
+                return "skip"
+            try:
+                info = self.info(key)
+            except KeyError:
+                return "skip"
+            if self._check_dtypes and np.dtype(info.dtype) != jax.dtypes.canonicalize_dtype(
+                info.dtype
+            ):
+                return "skip"  # a demand get raises DtypeError for it; a prefetch must not
+            if self._pf_inflight + info.nbytes > self._pf_limit:
+                return "full"
+            self._inflight[key] = transit = _Transit(prefetch=True)
+            transit.min_age = min_age
+            self._pf_inflight += info.nbytes
+            self._pf_count("issued", info.nbytes)
+        try:
+            future = self._read(key)
+        except Exception:
+            self._prefetch_fail(key, info.nbytes, None)
+            return "skip"
+        future.add_done_callback(lambda f: worker.arrive(key, f))
+        return "issued"
+
+    def _prefetch_fail(self, key: str, nbytes: int, error: BaseException | None) -> None:
+        """A prefetch load failed or was abandoned: forget it; a waiting access gets the error
+        (or, with none, reads the block itself)."""
+        with self._lock:
+            transit = self._inflight.get(key)
+            if transit is None or not transit.prefetch:
+                return
+            del self._inflight[key]
+            self._pf_inflight -= nbytes
+            self._pf_count("dropped", nbytes)
+            demanded = transit.demanded
+            self._notify_room()
+        transit.finish(error=error if demanded else None)
+
+    def _prefetch_install(self, key: str, future: Any) -> None:
+        """Installs an arrived prefetch (worker thread): L3 -> host buffer -> device.
+
+        A block nobody asked for yet goes in with prefetch admission (L1, else L2, else it is
+        dropped); one an access is waiting for is installed as a demand load and handed over.
+        """
+        transit = self._inflight.get(key)
+        if transit is None or not transit.prefetch:
+            return  # abandoned
+        nbytes = self.info(key).nbytes
+        try:
+            raw = future.result(timeout=0)
+        except BaseException as err:
+            self._prefetch_fail(key, nbytes, err)
+            return
+        demanded = transit.demanded
+        value = host_value = None
+        try:
+            in_l1 = self._make_room(
+                DEVICE, nbytes, key, prefetch=not transit.demanded, min_age=transit.min_age
+            )
+            if in_l1 or transit.demanded:
+                try:
+                    value = self._tiers[DEVICE].load(raw)
+                except BaseException:
+                    if in_l1:
+                        with self._lock:
+                            self._tiers[DEVICE].release(nbytes)
+                    raise
+            if not in_l1:
+                host_value = self._load_host(
+                    key, nbytes, raw, prefetch=not transit.demanded, min_age=transit.min_age
+                )
+            with self._lock:
+                demanded = transit.demanded  # an access may have come meanwhile
+                now = self._clock()
+                guess = {"prefetched": not demanded, "expected": transit.min_age}
+                if in_l1:
+                    self._tiers[DEVICE].put_reserved(key, value, nbytes)
+                    self._planner.insert(DEVICE, key, now, nbytes, **guess)
+                elif host_value is not None:
+                    self._tiers[HOST].put_reserved(key, host_value, nbytes)
+                    self._planner.insert(HOST, key, now, nbytes, **guess)
+                else:
+                    self._pf_count("dropped", nbytes)
+                del self._inflight[key]
+                self._pf_inflight -= nbytes
+                self._notify_room()
+        except BaseException as err:
+            with self._lock:
+                if self._inflight.get(key) is transit:
+                    del self._inflight[key]
+                    self._pf_inflight -= nbytes
+                    self._pf_count("dropped", nbytes)
+                self._notify_room()
+            transit.finish(error=err if transit.demanded else None)
+            return
+        if demanded and value is None:
+            value = self._tiers[DEVICE].load(raw)
+        transit.finish(value=value if demanded else None)
+
+    def _prefetch_abandon(self, worker: PrefetchWorker) -> None:
+        """The worker stopped: drops its loads still in flight (worker thread, last)."""
+        with self._lock:
+            mine = [(k, self.info(k).nbytes) for k, t in self._inflight.items() if t.prefetch]
+        for key, nbytes in mine:
+            self._prefetch_fail(key, nbytes, None)
+
     # -------------------------------------------------------------------------------- stats
 
     def stats(self) -> dict:
@@ -1034,13 +1367,22 @@ class TieredCache:
         with self._lock:
             self._drain()
             n = dict(self._n)
-            pf = dict(self._prefetch)
+            pf = dict(self._pf)
             with self._l3_lock:
                 l3 = dict(self._l3)
             tiers = {t.name: {"used": t.used, "budget": t.budget, "blocks": len(t.entries)}
-                     for t in self._tiers}
+                     for t in self._tiers}  # fmt: skip
+            policy = self._planner.describe()
         requests = n["device"] + n["host"] + n["miss"]
-        demand = pf["demand_misses_removed"] + n["miss"]
+        scheduler = self._pf_scheduler
+        prefetch: dict[str, Any] = dict(pf)
+        prefetch["accuracy"] = _ratio(pf["used"], pf["issued"])
+        prefetch["coverage"] = _ratio(pf["timely"], pf["timely"] + n["miss"])
+        prefetch["enabled"] = scheduler is not None and scheduler.disabled is None
+        if scheduler is not None:
+            prefetch["disabled_reason"] = scheduler.disabled
+            prefetch["predictions"] = scheduler.predictions
+            prefetch["predict_us"] = _ratio(scheduler.predict_seconds * 1e6, scheduler.predictions)
         return {
             "requests": requests,
             "hits": {"device": n["device"], "host": n["host"]},
@@ -1048,13 +1390,8 @@ class TieredCache:
             "device_miss_ratio": _ratio(requests - n["device"], requests),
             "miss_ratio": _ratio(n["miss"], requests),
             "byte_miss_ratio": _ratio(n["miss_bytes"], n["bytes"]),
-            "prefetch": {
-                "issued": pf["issued"],
-                "used": pf["used"],
-                "accuracy": _ratio(pf["used"], pf["issued"]),
-                "coverage": _ratio(pf["demand_misses_removed"], demand),
-            },
-            "policy": self.policy.describe(self._pstate),
+            "prefetch": prefetch,
+            "policy": policy,
             "tiers": tiers,
             "bytes": {
                 "requested": n["bytes"],
@@ -1130,6 +1467,91 @@ class _TimedRead:
 
     def add_done_callback(self, fn: Callable[[Any], object]) -> None:
         self._future.add_done_callback(lambda _: fn(self))
+
+
+class _ReplayPrefetch:
+    """Prefetch driven access by access, as replay does (and the live cache when synchronous).
+
+    After access ``i`` the scheduler observes it and proposes keys; each fetchable one that is not
+    resident or pending is issued (within the in-flight byte bound) and lands just before access
+    ``i + lead``, through the planner's prefetch admission. An access to a key still pending is a
+    late prefetch: it counts as a demand miss and the pending load is dropped. With ``data``
+    (the live cache) the loads really read L3 and land in the tiers with their bytes.
+    """
+
+    def __init__(
+        self, cache: TieredCache, settings: PrefetchSettings, seen: set[str] | None, *, data: bool
+    ) -> None:
+        self.cache = cache
+        self.lead = settings.lead
+        self.seen = seen
+        self.data = data
+        self.index = 0  # the index of the next access
+        self.pending: dict[str, tuple[int, float]] = {}  # key -> (nbytes, min_age), not landed
+        self.due: dict[int, list[str]] = {}  # access index -> keys that land just before it
+        self.futures: dict[str, Any] = {}  # live: key -> read future
+        self.paused = False  # accesses teach the predictor, but nothing is issued
+
+    def before(self, key: str, now: float) -> None:
+        """Lands the loads due before this access; counts a late one for ``key``."""
+        cache = self.cache
+        due = self.due.pop(self.index, None)
+        if due:
+            for k in due:
+                issued = self.pending.pop(k, None)
+                if issued is None:
+                    continue  # an access already took it (late)
+                nbytes, min_age = issued
+                cache._pf_inflight -= nbytes
+                if self.data:
+                    self._land_live(k, min_age)
+                elif not cache._install_sync(k, nbytes, now, prefetched=True, min_age=min_age):
+                    cache._pf_count("dropped", nbytes)
+        issued = self.pending.pop(key, None)
+        if issued is not None:
+            nbytes = issued[0]
+            cache._pf_inflight -= nbytes
+            cache._pf_count_use(nbytes, late=True)  # the access below counts as the miss
+            if self.data:
+                self._drop_live(key)
+
+    def after(self, key: str, now: float) -> None:
+        """Gives the access to the scheduler and issues the loads it proposes."""
+        cache = self.cache
+        scheduler = cache._pf_scheduler
+        assert scheduler is not None
+        self.index += 1
+        if self.seen is not None:
+            self.seen.add(key)
+        scheduler.observe(key, now)
+        if self.paused:
+            return
+        land = self.index + self.lead - 1
+        for rank, (k, _) in enumerate(scheduler.candidates()):
+            if k in self.pending or not cache._pf_fresh(k):
+                continue
+            nbytes = cache.info(k).nbytes
+            if cache._pf_inflight + nbytes > cache._pf_limit:
+                break
+            self.pending[k] = (nbytes, float(rank + 1))
+            self.due.setdefault(land, []).append(k)
+            cache._pf_inflight += nbytes
+            cache._pf_count("issued", nbytes)
+            if self.data:
+                self.futures[k] = cache._read(k)
+
+    def _land_live(self, key: str, min_age: float) -> None:
+        cache = self.cache
+        future = self.futures.pop(key)
+        with cache._lock:
+            cache._inflight[key] = transit = _Transit(prefetch=True)
+            transit.min_age = min_age
+            cache._pf_inflight += cache.info(key).nbytes
+        future.result(timeout=cache._l3_timeout)  # the read finishes before the next access
+        cache._prefetch_install(key, future)
+
+    def _drop_live(self, key: str) -> None:
+        self.futures.pop(key, None)
 
 
 def _error_of(future: Any) -> BaseException | None:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from cacheflow_jax._blocks import ArrayInfo, BlockInfo, BudgetError
 from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._policy import Policy, get_policy
+from cacheflow_jax._prefetch import PrefetchSettings
 from cacheflow_jax._tiers import PRESENT, MetadataTier
 from cacheflow_jax._trace import Trace
 
@@ -217,6 +218,8 @@ def replay(
     host_bytes: int,
     policy: str | Policy = "lfu",
     prefetcher: Any = None,
+    prefetch: PrefetchSettings | None = None,
+    warmup: int = 0,
     progress: bool = False,
     label: str = "replay",
 ) -> dict:
@@ -227,7 +230,11 @@ def replay(
       device_bytes: L1 budget in bytes.
       host_bytes: L2 budget in bytes; 0 disables L2.
       policy: a policy name (``lfu``, ``lru``, ``lfu-plain``, ``belady``) or a `Policy`.
-      prefetcher: passed to the cache (see `TieredCache`).
+      prefetcher: a `predictor.Predictor` driving prefetch (see `TieredCache`), or None.
+      prefetch: prefetch settings; ``lead`` models timeliness (a load issued at access ``i`` is
+        usable from access ``i + lead``), ``keys_known`` says every key is in L3 from the start.
+      warmup: accesses that only warm the cache and the predictor up: the counters start after
+        them, and no prefetch is issued during them (e.g. the predictor's training part).
       progress: show a progress bar on stderr.
       label: the progress bar's label (the CLI names the policy and the size).
 
@@ -256,10 +263,13 @@ def replay(
         host_bytes=host_bytes,
         policy=pol,
         prefetcher=prefetcher,
+        prefetch=prefetch,
         clock=clock,
         tiers=tiers,
         read_buffer=1,
     )
+    if not 0 <= warmup <= len(trace.keys):
+        raise ValueError(f"warmup={warmup} must be between 0 and the trace's {len(trace.keys)} accesses")
     get = cache.access_sync
     times = trace.t.tolist()
     keys = trace.keys
@@ -268,11 +278,20 @@ def replay(
     bar = tqdm(total=len(keys), disable=not progress, unit="acc", mininterval=0.5, desc=label)
     start = time.perf_counter()
     step = 8192
-    for lo in range(0, len(keys), step):
+    if warmup:
+        cache.pause_prefetch(True)
+    lo = 0
+    while lo < len(keys):
         hi = min(lo + step, len(keys))
+        if lo < warmup < hi:
+            hi = warmup  # the counters start exactly at the end of the warm-up
         for key, now in zip(keys[lo:hi], times[lo:hi]):
             get(key, now)
+        if hi == warmup:
+            cache.reset_counters()
+            cache.pause_prefetch(False)
         bar.update(hi - lo)
+        lo = hi
     elapsed = time.perf_counter() - start
     bar.close()
     if times:

@@ -179,6 +179,7 @@ def serving(
                              promote_every=promote_every, row_half_life=row_half_life)
     session.metrics_url = metrics.url if metrics is not None else None
     session._metrics = metrics
+    cache.start_prefetch()
     try:
         yield session
     except BaseException as body_error:
@@ -197,6 +198,7 @@ def _finish(session: ServingSession, log: AccessLogWriter | None) -> list[Except
     returns their errors."""
     errors: list[Exception] = []
     try:
+        session.cache.stop_prefetch()  # no prefetch thread outlives the session
         session.close()
     except Exception as err:
         errors.append(err)

@@ -37,8 +37,10 @@ cacheflow_l3_read_seconds_total    counter seconds from issuing each batch of L3
 cacheflow_writebacks_total         counter runtime blocks written back to L3
 cacheflow_writeback_bytes_total    counter their bytes
 cacheflow_prefetch_<event>_total   counter each count in ``stats()["prefetch"]`` (issued, used,
-                                           late, ...; ``<event>_bytes_total`` for byte counts)
+                                           timely, late, wasted, dropped, predictions;
+                                           ``<event>_bytes_total`` for byte counts)
 cacheflow_prefetch_<name>_ratio    gauge   each ratio there (accuracy, coverage)
+cacheflow_prefetch_<name>_seconds  gauge   each time there (predict_us: the mean predict() time)
 cacheflow_tier_used_bytes{tier}    gauge   bytes resident (and reserved) in the tier
 cacheflow_tier_budget_bytes{tier}  gauge   the tier's budget
 cacheflow_tier_blocks{tier}        gauge   blocks resident in the tier
@@ -152,26 +154,36 @@ class CacheCollector(Collector):
 
     @staticmethod
     def _prefetch(pf: Mapping[str, Any], base: list[str], const: list[str]) -> Iterator[Metric]:
-        """``stats()["prefetch"]``, whatever it holds: counts as counters, ratios as gauges."""
+        """``stats()["prefetch"]``, whatever it holds.
+
+        Integers are counts (counters; ``<name>_bytes`` in bytes). Floats named ``<name>_us``,
+        ``<name>_ms`` or ``<name>_seconds`` are times (gauges in seconds); other floats are
+        ratios (gauges ``<name>_ratio``). Flags and texts (``enabled``, ``disabled_reason``) are
+        not numbers and are left out.
+        """
         for name, value in pf.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
+            doc = f"Prefetch: {name.replace('_', ' ')} (stats()['prefetch'][{name!r}])"
             if isinstance(value, int):
-                is_bytes = name.endswith("_bytes")
-                family = CounterMetricFamily(
-                    f"{NAMESPACE}_prefetch_{name.removesuffix('_bytes')}"
-                    + ("_bytes" if is_bytes else ""),
-                    f"Prefetch: {name.replace('_', ' ')} (stats()['prefetch'][{name!r}]).",
-                    labels=base,
+                family: Metric = CounterMetricFamily(
+                    f"{NAMESPACE}_prefetch_{name}", doc + ".", labels=base
                 )
+            elif name.endswith(tuple(_TIME_UNITS)):
+                stem, unit = name.rsplit("_", 1)
+                family = GaugeMetricFamily(
+                    f"{NAMESPACE}_prefetch_{stem}_seconds", doc + ", in seconds.", labels=base
+                )
+                value = value * _TIME_UNITS["_" + unit]
             else:
                 family = GaugeMetricFamily(
-                    f"{NAMESPACE}_prefetch_{name}_ratio",
-                    f"Prefetch: {name} (stats()['prefetch'][{name!r}]), in [0, 1].",
-                    labels=base,
+                    f"{NAMESPACE}_prefetch_{name}_ratio", doc + ", in [0, 1].", labels=base
                 )
             family.add_metric(const, value)
             yield family
+
+
+_TIME_UNITS = {"_us": 1e-6, "_ms": 1e-3, "_seconds": 1.0}
 
 
 def registry(cache: Any, *, name: str | None = None) -> CollectorRegistry:

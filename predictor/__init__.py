@@ -1,7 +1,8 @@
 """Next-key predictors for the prefetcher: the `Predictor` protocol, baselines, the Flax MLP.
 
-The cache talks to predictors only through the `Predictor` protocol (structurally the same as
-`cacheflow_jax.Prefetcher`): ``observe(access)``, ``predict(k) -> [(key, score)]``, ``reset()``.
+The cache talks to predictors only through the `Predictor` protocol
+(``cacheflow_jax.TieredCache(prefetcher=...)`` takes one): ``observe(access)``,
+``predict(k) -> [(key, score)]``, ``reset()``.
 
 * baselines: `last_successor()`, `markov(decay=...)`, `stride()`;
 * the learned predictor: `mlp(model, config)` / `load(path)` give an `MLPPredictor`, which scores

@@ -1,8 +1,8 @@
 """The `Predictor` protocol and the `Access` record every predictor observes.
 
-The cache talks to predictors only through `Predictor` (structurally the same as
-`cacheflow_jax.Prefetcher`): ``observe`` one access, ``predict`` the ``k`` keys most likely to be
-accessed soon with a score each (higher first), ``reset`` to forget everything.
+The cache talks to predictors only through `Predictor` (``TieredCache(prefetcher=...)`` takes
+one): ``observe`` one access, ``predict`` the ``k`` keys most likely to be accessed soon with a
+score each (higher first), ``reset`` to forget everything.
 """
 
 from __future__ import annotations

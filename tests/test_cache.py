@@ -381,7 +381,8 @@ def test_serving_flushes_on_error_and_logs(tmp_path):
     for field in ("requests", "misses", "device_miss_ratio", "miss_ratio", "byte_miss_ratio"):
         assert field in stats
     assert set(stats["hits"]) == {"device", "host"}
-    assert set(stats["prefetch"]) == {"issued", "used", "accuracy", "coverage"}
+    assert {"issued", "used", "timely", "late", "wasted", "accuracy", "coverage"} <= set(stats["prefetch"])
+    assert stats["prefetch"]["issued"] == 0 and not stats["prefetch"]["enabled"]
     assert stats["requests"] == 8
 
 

@@ -147,7 +147,10 @@ def test_prefetch_counters_follow_stats_whatever_they_hold(tmp_path: Path) -> No
 
         def stats(self) -> dict:
             s = cache.stats()
-            s["prefetch"].update(late=3, wasted=2, late_bytes=3 * BLOCK, timely=1)
+            s["prefetch"].update(
+                late=3, wasted=2, late_bytes=3 * BLOCK, timely=1, predict_us=250.0,
+                enabled=True, disabled_reason=None,
+            )  # fmt: skip
             return s
 
     body = metrics.text(WithMorePrefetch())
@@ -161,6 +164,8 @@ def test_prefetch_counters_follow_stats_whatever_they_hold(tmp_path: Path) -> No
     assert got["cacheflow_prefetch_timely_total"] == 1
     assert got["cacheflow_prefetch_late_bytes_total"] == 3 * BLOCK
     assert "cacheflow_prefetch_coverage_ratio" in got
+    assert got["cacheflow_prefetch_predict_seconds"] == pytest.approx(250e-6)
+    assert not any("enabled" in name or "reason" in name for name in got)
 
 
 def test_serve_rejects_a_bad_port_and_a_taken_one(tmp_path: Path) -> None:

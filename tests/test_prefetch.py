@@ -1,0 +1,373 @@
+"""Prefetch (issue 10): the planner, the scheduler, the live worker and replay, on real stores."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cacheflow_jax as cfj
+import predictor
+from cacheflow_jax._tiers import MetadataTier
+
+ROW = 256  # float32 elements per block: 1 KiB blocks
+KIB = 1024
+
+
+def _store(tmp_path: Path, rows: int = 64) -> tuple[cfj.TensorStoreStore, np.ndarray]:
+    data = np.random.default_rng(0).standard_normal((rows, ROW)).astype(np.float32)
+    return cfj.write_store({"w": data}, tmp_path / "s", chunk_bytes=ROW * 4), data
+
+
+def _key(i: int) -> str:
+    return f"w@{i},0"
+
+
+def _pattern(n: int, seed: int = 0) -> list[str]:
+    """Requests that follow a few fixed chains (so successors repeat), with some noise."""
+    rng = np.random.default_rng(seed)
+    chains = [rng.choice(64, size=int(rng.integers(3, 9)), replace=False) for _ in range(10)]
+    out: list[str] = []
+    while len(out) < n:
+        chain = chains[int(rng.zipf(1.5)) % len(chains)]
+        out += [_key(int(i)) for i in chain]
+        if rng.random() < 0.2:
+            out.append(_key(int(rng.integers(64))))
+    return out[:n]
+
+
+def _residency(cache: cfj.TieredCache) -> dict[str, set[str]]:
+    return {tier.name: set(tier.entries) for tier in cache._tiers}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --------------------------------------------------------------------------- one way to move
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize(("device", "host"), [(12, 0), (8, 16)])
+@pytest.mark.parametrize("prefetch", [None, "markov", "last-successor"])
+def test_live_and_replay_residency_agree_step_by_step(
+    tmp_path: Path, policy: str, device: int, host: int, prefetch: str | None
+) -> None:
+    # The live cache (real data, the threaded get path) and replay's access_sync (no data) make
+    # the same decisions through the one planner: the same blocks in the same tiers after every
+    # access, with prefetch on (synchronous live prefetch = replay with lead 1) and off.
+    store, _ = _store(tmp_path)
+    make = {"markov": predictor.markov, "last-successor": predictor.last_successor}.get(prefetch)
+    clocks = _Clock(), _Clock()
+    live = cfj.TieredCache(
+        store,
+        device_bytes=device * KIB,
+        host_bytes=host * KIB,
+        policy=policy,
+        clock=clocks[0],
+        read_buffer=1,
+        prefetcher=make() if make else None,
+        prefetch=cfj.PrefetchSettings(synchronous=True) if make else None,
+    )
+    replay = cfj.TieredCache(
+        store,
+        device_bytes=device * KIB,
+        host_bytes=host * KIB,
+        policy=policy,
+        clock=clocks[1],
+        read_buffer=1,
+        tiers=[
+            MetadataTier(device * KIB, name="device", setting="device_bytes"),
+            MetadataTier(host * KIB, name="host", setting="host_bytes"),
+        ],
+        prefetcher=make() if make else None,
+        prefetch=cfj.PrefetchSettings(lead=1, keys_known=True) if make else None,
+    )
+    for step, key in enumerate(_pattern(600)):
+        clocks[0].now = clocks[1].now = step * 0.01
+        live.get(key)
+        replay.access_sync(key, step * 0.01)
+        assert _residency(live) == _residency(replay), f"step {step} ({key})"
+    a, b = live.stats(), replay.stats()
+    for field in ("requests", "hits", "misses", "byte_miss_ratio", "tiers", "prefetch"):
+        if field == "prefetch":
+            a[field].pop("predict_us", None), b[field].pop("predict_us", None)
+        assert a[field] == b[field], field
+    if make:
+        assert a["prefetch"]["issued"] > 50 and a["prefetch"]["timely"] > 0
+    live.check_budgets()
+
+
+# ------------------------------------------------------------------------------ scheduling
+
+
+class _Proposes:
+    """A predictor that proposes fixed keys (some not in the store) after every access."""
+
+    def __init__(self, keys: list, score: float = 0.9) -> None:
+        self.keys, self.score = keys, score
+        self.observed: list[str] = []
+
+    def observe(self, access) -> None:
+        self.observed.append(access["key"])
+
+    def predict(self, k: int) -> list[tuple[str, float]]:
+        return [(key, self.score) for key in self.keys][:k]
+
+    def reset(self) -> None:
+        self.observed.clear()
+
+
+def test_never_prefetches_a_key_the_store_does_not_hold(tmp_path: Path) -> None:
+    store, data = _store(tmp_path)
+    bad = _Proposes(["nope", "w@999,0", "kv:never-put", 123])
+    cache = cfj.TieredCache(store, device_bytes=16 * KIB, host_bytes=0, prefetcher=bad,
+                            prefetch=cfj.PrefetchSettings(synchronous=True))  # fmt: skip
+    for i in range(20):
+        assert np.array_equal(np.asarray(cache.get(_key(i))), data[i : i + 1])
+    stats = cache.stats()["prefetch"]
+    assert stats["issued"] == 0 and stats["enabled"]
+    assert bad.observed == [_key(i) for i in range(20)]
+
+
+def test_scores_below_the_threshold_are_not_loaded(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    weak = _Proposes([_key(40), _key(41)], score=0.1)
+    cache = cfj.TieredCache(store, device_bytes=16 * KIB, host_bytes=0, prefetcher=weak,
+                            prefetch=cfj.PrefetchSettings(synchronous=True, min_score=0.2))  # fmt: skip
+    cache.get(_key(0))
+    cache.get(_key(1))
+    assert cache.stats()["prefetch"]["issued"] == 0 and cache.tier_of(_key(40)) is None
+
+
+def test_prefetch_does_not_displace_a_block_worth_more(tmp_path: Path) -> None:
+    # L1 holds 4 blocks, the oldest last accessed 4 accesses ago. A guess the predictor ranks
+    # fifth (expected about 5 accesses from now) is not worth more than it and may not push it
+    # out: it lands in L2 instead (or nowhere when there is none). Ranked first, it does.
+    store, _ = _store(tmp_path)
+    for host in (0, 8):
+        for rank, displaces in ((5, False), (1, True)):
+            guess = _Proposes([])
+            cache = cfj.TieredCache(
+                store, device_bytes=4 * KIB, host_bytes=host * KIB, policy="lru",
+                prefetcher=guess, prefetch=cfj.PrefetchSettings(synchronous=True, k=8),
+                read_buffer=1,
+            )  # fmt: skip
+            for i in range(4):
+                cache.get(_key(i))
+            # Resident keys take the first places (they are not loaded, but they rank).
+            guess.keys = [_key(i) for i in range(rank - 1)] + [_key(50)]
+            cache.get(_key(3))  # the guess is issued after this access and lands before the next
+            cache.get(_key(2))
+            l1 = set(cache._tiers[0].entries)
+            pf = cache.stats()["prefetch"]
+            if displaces:
+                assert _key(50) in l1 and _key(0) not in l1
+                assert cache.tier_of(_key(0)) == ("host" if host else None)  # demoted as usual
+            else:
+                assert l1 == {_key(i) for i in range(4)}
+                assert cache.tier_of(_key(50)) == ("host" if host else None)
+                assert pf["issued"] >= 1 and (pf["dropped"] >= 1) == (host == 0)
+
+
+def test_unused_prefetched_blocks_leave_first(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    guess = _Proposes([_key(60), _key(61)])
+    cache = cfj.TieredCache(
+        store, device_bytes=6 * KIB, host_bytes=0, policy="lru", prefetcher=guess,
+        prefetch=cfj.PrefetchSettings(synchronous=True), read_buffer=1,
+    )  # fmt: skip
+    for i in range(4):
+        cache.get(_key(i))
+    cache.get(_key(0))  # the guesses (60, 61) landed; L1 is full: 0, 1, 2, 3, 60, 61
+    assert cache.tier_of(_key(60)) == "device" and cache.tier_of(_key(61)) == "device"
+    guess.keys = []
+    cache.get(_key(10))  # a demand miss: the oldest unused guess leaves, not LRU's victim (1)
+    cache.get(_key(11))
+    assert cache.tier_of(_key(60)) is None and cache.tier_of(_key(61)) is None
+    assert all(cache.tier_of(_key(i)) == "device" for i in (0, 1, 2, 3, 10, 11))
+    pf = cache.stats()["prefetch"]
+    assert pf["wasted"] == 2 and pf["wasted_bytes"] == 2 * KIB and pf["used"] == 0
+
+
+def test_a_prefetched_block_used_counts_once_as_timely(tmp_path: Path) -> None:
+    store, data = _store(tmp_path)
+    cache = cfj.TieredCache(
+        store, device_bytes=16 * KIB, host_bytes=0, prefetcher=predictor.last_successor(),
+        prefetch=cfj.PrefetchSettings(synchronous=True), read_buffer=1,
+    )  # fmt: skip
+    seq = [_key(i) for i in (0, 5, 9)]
+    for key in seq * 2:
+        cache.get(key)  # the first round teaches the successors
+    for key in seq:
+        cache.evict(key)
+    for key in seq:
+        assert np.array_equal(np.asarray(cache.get(key)), data[int(key[2:-2]) : int(key[2:-2]) + 1])
+    pf = cache.stats()["prefetch"]
+    assert pf["timely"] >= 2 and pf["used"] == pf["timely"] + pf["late"]
+    assert pf["accuracy"] == pf["used"] / pf["issued"]
+
+
+# -------------------------------------------------------------------------- the live worker
+
+
+def test_prefetch_under_8_threads_keeps_budgets_and_bytes(tmp_path: Path) -> None:
+    store, data = _store(tmp_path)
+    cache = cfj.TieredCache(store, device_bytes=12 * KIB, host_bytes=12 * KIB,
+                            prefetcher=predictor.markov())  # fmt: skip
+    stop = threading.Event()
+    errors: list[str] = []
+    violations = [0]
+
+    def sampler() -> None:
+        while not stop.is_set():
+            try:
+                cache.check_budgets()
+            except AssertionError:
+                violations[0] += 1
+            time.sleep(0.001)
+
+    def worker(seed: int, s) -> None:
+        for key in _pattern(400, seed):
+            i = int(key[2:-2])
+            try:
+                got = np.asarray(s.get(key) if seed % 2 else s.get_many([key])[0])
+            except Exception as err:  # noqa: BLE001
+                errors.append(repr(err))
+                continue
+            if not np.array_equal(got, data[i : i + 1]):
+                errors.append(f"wrong bytes for {key}")
+
+    watcher = threading.Thread(target=sampler)
+    watcher.start()
+    with cfj.serving(cache) as s:
+        threads = [threading.Thread(target=worker, args=(seed, s)) for seed in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    stop.set()
+    watcher.join()
+    assert errors == [] and violations[0] == 0
+    pf = cache.stats()["prefetch"]
+    assert pf["issued"] > 0 and pf["used"] > 0, pf
+    assert not [t for t in threading.enumerate() if t.name == "cacheflow-prefetch"]
+
+
+class _SlowStore:
+    """A real store whose reads take a while (to catch loads in flight at session exit)."""
+
+    def __init__(self, store: cfj.TensorStoreStore, delay: float) -> None:
+        self._store, self._delay = store, delay
+        self.spec = store.spec
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def read(self, key: str):
+        time.sleep(self._delay)
+        return self._store.read(key)
+
+    def read_many(self, keys):
+        return [self.read(k) for k in keys]
+
+
+def test_session_exit_cancels_prefetch_cleanly(tmp_path: Path) -> None:
+    store, data = _store(tmp_path)
+    cache = cfj.TieredCache(_SlowStore(store, 0.02), device_bytes=32 * KIB, host_bytes=0,
+                            prefetcher=_Proposes([_key(i) for i in range(20, 40)]),
+                            prefetch=cfj.PrefetchSettings(k=20))  # fmt: skip
+    with cfj.serving(cache) as s:
+        for i in range(5):
+            s.get(_key(i))
+        time.sleep(0.05)  # some loads are in flight, some landed
+    assert not [t for t in threading.enumerate() if t.name == "cacheflow-prefetch"]
+    resident = _residency(cache)
+    counters = cache.stats()["prefetch"]
+    time.sleep(0.5)  # loads still running in reader threads must not land now
+    assert _residency(cache) == resident and cache.stats()["prefetch"] == counters
+    assert not cache._inflight and cache._pf_inflight == 0
+    cache.check_budgets()
+    # The cache keeps working, and a new session prefetches again.
+    with cfj.serving(cache) as s:
+        assert np.array_equal(np.asarray(s.get(_key(45))), data[45:46])
+        assert [t for t in threading.enumerate() if t.name == "cacheflow-prefetch"]
+
+
+class _Raises(_Proposes):
+    def predict(self, k: int):
+        raise RuntimeError("the model broke")
+
+
+class _Slow(_Proposes):
+    def predict(self, k: int):
+        time.sleep(0.004)
+        return super().predict(k)
+
+
+@pytest.mark.parametrize("mode", ["synchronous", "worker"])
+@pytest.mark.parametrize("bad", ["raises", "slow"])
+def test_a_failing_or_slow_predictor_turns_prefetch_off_with_one_warning(
+    tmp_path: Path, mode: str, bad: str
+) -> None:
+    store, data = _store(tmp_path)
+    guess = (_Raises if bad == "raises" else _Slow)([_key(30)])
+    settings = cfj.PrefetchSettings(synchronous=mode == "synchronous", predict_budget_s=0.001)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = cfj.TieredCache(store, device_bytes=16 * KIB, host_bytes=0, prefetcher=guess,
+                                prefetch=settings)  # fmt: skip
+        with cfj.serving(cache) as s:
+            for i in range(40):
+                assert np.array_equal(np.asarray(s.get(_key(i % 10))), data[i % 10 : i % 10 + 1])
+                if mode == "worker":
+                    time.sleep(0.002)
+            deadline = time.monotonic() + 5
+            while cache.stats()["prefetch"]["enabled"] and time.monotonic() < deadline:
+                s.get(_key(0))
+                time.sleep(0.01)
+    ours = [w for w in caught if "prefetching turned off" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert ("the model broke" if bad == "raises" else "predict_budget_s") in str(ours[0].message)
+    pf = cache.stats()["prefetch"]
+    assert not pf["enabled"] and pf["disabled_reason"]
+
+
+# ---------------------------------------------------------------------------------- replay
+
+
+def test_replay_with_prefetch_lead_and_keys_known(tmp_path: Path) -> None:
+    from cacheflow_jax._replay import replay
+    from cacheflow_jax._trace import read_trace
+
+    keys = [f"kv:{i}" for i in (1, 2, 3, 4, 5, 6, 7, 8)] * 30
+    path = tmp_path / "loop.txt"
+    path.write_text("\n".join(keys) + "\n")
+    trace = read_trace(str(path), format="txt")
+    base = replay(trace, device_bytes=4, host_bytes=0, policy="lru")
+    assert base["device_miss_ratio"] == 1.0  # a loop of 8 through 4 slots of LRU
+    one = replay(trace, device_bytes=4, host_bytes=0, policy="lru",
+                 prefetcher=predictor.last_successor(), prefetch=cfj.PrefetchSettings(lead=1))  # fmt: skip
+    assert one["device_miss_ratio"] < 0.1 and one["prefetch"]["accuracy"] > 0.9
+    late = replay(trace, device_bytes=4, host_bytes=0, policy="lru",
+                  prefetcher=predictor.last_successor(), prefetch=cfj.PrefetchSettings(lead=2))  # fmt: skip
+    assert late["prefetch"]["late"] > 200 and late["prefetch"]["timely"] == 0
+    # Keys are fetchable only after their first access, unless every key is known to be in L3.
+    first = replay(trace, device_bytes=4, host_bytes=0, policy="lru", prefetcher=_Proposes(["kv:8"]),
+                   prefetch=cfj.PrefetchSettings(lead=1))  # fmt: skip
+    known = replay(trace, device_bytes=4, host_bytes=0, policy="lru", prefetcher=_Proposes(["kv:8"]),
+                   prefetch=cfj.PrefetchSettings(lead=1, keys_known=True))  # fmt: skip
+    assert known["prefetch"]["issued"] > first["prefetch"]["issued"]
+    # A warm-up teaches the predictor; the counters cover the rest only.
+    warm = replay(trace, device_bytes=4, host_bytes=0, policy="lru",
+                  prefetcher=predictor.last_successor(), prefetch=cfj.PrefetchSettings(lead=1),
+                  warmup=80)  # fmt: skip
+    assert warm["requests"] == len(keys) - 80 and warm["device_miss_ratio"] < 0.05
