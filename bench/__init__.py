@@ -2,5 +2,5 @@
 
 See ``bench/README.md`` for the commands, what each one measures and its target. Every speed figure
 is a ratio against a baseline measured in the same run, after a warm-up, reported as the median and
-p95 over several runs (DESIGN.md, "Measuring"). Benchmarks report; they never assert on timings.
+p95 over several runs (docs/design.md, "Measuring"). Benchmarks report; they never assert on timings.
 """

@@ -1,7 +1,9 @@
 """cacheflow-jax: a three-tier cache (device, host, TensorStore) for JAX inference data.
 
-Public surface (see DESIGN.md): `open_store`, `write_store`, `TieredCache`, `serving`, the policies
-`lfu`, `lru`, `lfu_plain`, and `cacheflow_jax.orbax.restore_lazy`.
+Public surface (docs/design.md has the contracts): `open_store`, `write_store`, `TieredCache`,
+`serving`, the policies `lfu`, `lru`, `lfu_plain`, `cacheflow_jax.orbax.restore_lazy`, and
+`cacheflow_jax.metrics` (the cache's counters in Prometheus text format). The command line is
+`cacheflow` (`cacheflow --help`).
 """
 
 from cacheflow_jax import orbax  # noqa: E402  (cfj.orbax.restore_lazy)

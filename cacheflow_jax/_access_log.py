@@ -1,6 +1,6 @@
 """Access log v1: one JSON object per access, written in batches off the hit path.
 
-Format (DESIGN.md): ``{"t": 12.034, "key": "...", "nbytes": 8388608, "kind": "weight",
+Format (docs/design.md): ``{"t": 12.034, "key": "...", "nbytes": 8388608, "kind": "weight",
 "req": "r17"}``; ``t`` in seconds since the log was opened, non-decreasing; ``kind`` one of
 ``weight``, ``embedding``, ``kv``, ``other``; ``req`` optional.
 

@@ -60,11 +60,14 @@ _UNITS = {
 def parse_bytes(text: str) -> tuple[int, bool]:
     """Parses ``1048576``, ``64MiB``, ``1.5G`` or ``500MB`` (K/M/G/T alone are binary).
 
+    A fraction of a unit is rounded down to whole bytes (``0.3k`` is 307), but a plain number
+    (or one in ``B``) must be whole: ``1.5`` is an error, not 1 byte.
+
     Returns:
       ``(bytes, unitless)``: the size, and whether it was a plain number.
 
     Raises:
-      ValueError: ``text`` is not a non-negative size.
+      ValueError: ``text`` is not a non-negative size, or is a fraction of a byte.
 
     >>> parse_bytes("64MiB"), parse_bytes("1.5k"), parse_bytes("10")
     ((67108864, False), (1536, False), (10, True))
@@ -75,6 +78,8 @@ def parse_bytes(text: str) -> tuple[int, bool]:
         raise ValueError(
             f"{text!r} is not a size; use bytes or a number with a unit, e.g. 64MiB, 1.5GiB, 500MB"
         )
+    if _UNITS[unit] == 1 and float(m.group(1)) != int(float(m.group(1))):
+        raise ValueError(f"{text!r} is not a whole number of bytes; give e.g. 2 or 1.5KiB")
     return int(float(m.group(1)) * _UNITS[unit]), not m.group(2)
 
 

@@ -245,7 +245,12 @@ class TieredCache:
         self._dirty: dict[str, int] = {}
         self._dirty_bytes = 0
         self._written = threading.Condition(self._lock)
-        self._n = {"device": 0, "host": 0, "miss": 0, "bytes": 0, "miss_bytes": 0}
+        self._n = {"device": 0, "host": 0, "miss": 0, "bytes": 0, "miss_bytes": 0, "host_bytes": 0,
+                   "writebacks": 0, "writeback_bytes": 0}
+        # L3 reads finish on store threads: their counters have their own lock, never held
+        # across a wait, so a finishing read never waits for the cache lock.
+        self._l3_lock = threading.Lock()
+        self._l3 = {"reads": 0, "read_bytes": 0, "read_seconds": 0.0}
         self._pf = new_counters()
         self._pf_scheduler: PrefetchScheduler | None = None
         self._pf_worker: PrefetchWorker | None = None
@@ -513,6 +518,7 @@ class TieredCache:
                 planner.remove(HOST, key)
                 del host.entries[key]
                 host.used -= nbytes
+                n["host_bytes"] += nbytes
             else:
                 n["miss"] += 1
                 n["miss_bytes"] += nbytes
@@ -656,6 +662,8 @@ class TieredCache:
         n["bytes"] += nbytes
         if where == "miss":
             n["miss_bytes"] += nbytes
+        elif where == "host":
+            n["host_bytes"] += nbytes
         if self._planner.access(key, now):
             self._pf_count_use(nbytes, late=False)
         if self._has_ttl:
@@ -864,6 +872,8 @@ class TieredCache:
                 return
             # A later successful write of the key supersedes its earlier failure.
             self._write_errors.pop(key, None)
+            self._n["writebacks"] += 1
+            self._n["writeback_bytes"] += self.info(key).nbytes
             if version > self._durable.get(key, -1):
                 self._durable[key] = version
             if self._version.get(key) == version:
@@ -874,10 +884,20 @@ class TieredCache:
             self._start_writes()
 
     def _read(self, key: str) -> Any:
-        return self.store.read(key)
+        return self._time_reads([key], [self.store.read(key)])[0]
 
     def _read_many(self, keys: list[str]) -> list[Any]:
-        return self.store.read_many(keys) if keys else []
+        return self._time_reads(keys, self.store.read_many(keys)) if keys else []
+
+    def _time_reads(self, keys: list[str], futures: list[Any]) -> list[Any]:
+        """Wraps a batch of L3 reads so that their count, bytes and time are recorded.
+
+        The time is from issuing the batch until the last of its reads was collected. Reads
+        issued together overlap, so this is the batch's wall time, not the sum of its reads'
+        times, and bytes / seconds is the bandwidth L3 gave.
+        """
+        batch = _ReadBatch(self, sum(self.info(k).nbytes for k in keys), len(futures))
+        return [_TimedRead(f, batch) for f in futures]
 
     # -------------------------------------------------------------------------- bookkeeping
 
@@ -1402,14 +1422,24 @@ class TieredCache:
     # -------------------------------------------------------------------------------- stats
 
     def stats(self) -> dict:
-        """Counters in the shape of ``cacheflow replay --json`` (see DESIGN.md)."""
+        """Counters in the shape of ``cacheflow replay --json`` (see docs/design.md).
+
+        Besides the replay fields: ``tiers`` (per tier ``used``, ``budget`` and ``blocks``),
+        ``bytes`` (bytes requested, and served from the device, from the host, and from L3),
+        ``l3`` (L3 reads, their bytes, and the seconds from issuing each batch of reads until
+        its last one ended) and ``writebacks`` (runtime blocks written to L3: count, bytes).
+        """
         with self._lock:
             self._drain()
             n = dict(self._n)
             pf = dict(self._pf)
+            with self._l3_lock:
+                l3: dict[str, Any] = dict(self._l3)
             tiers = {t.name: {"used": t.used, "budget": t.budget, "blocks": len(t.entries)}
                      for t in self._tiers}  # fmt: skip
             policy = self._planner.describe()
+        if isinstance(self.store, TensorStoreStore):
+            l3.update(self.store.read_stats())  # bytes read vs served (read amplification)
         requests = n["device"] + n["host"] + n["miss"]
         scheduler = self._pf_scheduler
         prefetch: dict[str, Any] = dict(pf)
@@ -1430,7 +1460,14 @@ class TieredCache:
             "prefetch": prefetch,
             "policy": policy,
             "tiers": tiers,
-            **({"l3": self.store.read_stats()} if isinstance(self.store, TensorStoreStore) else {}),
+            "bytes": {
+                "requested": n["bytes"],
+                "device": n["bytes"] - n["host_bytes"] - n["miss_bytes"],
+                "host": n["host_bytes"],
+                "miss": n["miss_bytes"],
+            },
+            "l3": l3,
+            "writebacks": {"count": n["writebacks"], "bytes": n["writeback_bytes"]},
         }
 
     def check_budgets(self) -> None:
@@ -1442,6 +1479,61 @@ class TieredCache:
                     raise AssertionError(
                         f"{tier.name}: resident={resident} used={tier.used} budget={tier.budget}"
                     )
+
+
+class _ReadBatch:
+    """L3 reads issued together; records them in the cache's counters when the last is collected."""
+
+    __slots__ = ("_cache", "_nbytes", "_left", "_count", "_start")
+
+    def __init__(self, cache: TieredCache, nbytes: int, count: int) -> None:
+        self._cache = cache
+        self._nbytes = nbytes
+        self._left = self._count = count
+        self._start = time.perf_counter()
+
+    def collected(self) -> None:
+        cache = self._cache
+        with cache._l3_lock:
+            self._left -= 1
+            if self._left:
+                return
+            l3 = cache._l3
+            l3["reads"] += self._count
+            l3["read_bytes"] += self._nbytes
+            l3["read_seconds"] += time.perf_counter() - self._start
+
+
+class _TimedRead:
+    """A store's read future whose first ``result()`` (value or error) counts for its batch."""
+
+    __slots__ = ("_future", "_batch")
+
+    def __init__(self, future: Any, batch: _ReadBatch) -> None:
+        self._future = future
+        self._batch: _ReadBatch | None = batch
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            value = self._future.result(timeout)
+        except TimeoutError:
+            raise  # still pending: not collected yet
+        except BaseException:
+            self._collected()
+            raise
+        self._collected()
+        return value
+
+    def _collected(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.collected()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
 
 
 class _ReplayPrefetch:

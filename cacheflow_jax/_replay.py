@@ -221,6 +221,7 @@ def replay(
     prefetch: PrefetchSettings | None = None,
     warmup: int = 0,
     progress: bool = False,
+    label: str = "replay",
 ) -> dict:
     """Replays ``trace`` through a `TieredCache` and returns its stats (the replay JSON).
 
@@ -235,6 +236,7 @@ def replay(
       warmup: accesses that only warm the cache and the predictor up: the counters start after
         them, and no prefetch is issued during them (e.g. the predictor's training part).
       progress: show a progress bar on stderr.
+      label: the progress bar's label (the CLI names the policy and the size).
 
     Raises:
       BudgetError: a budget is negative, or a non-zero budget is smaller than the largest object.
@@ -271,7 +273,9 @@ def replay(
     get = cache.access_sync
     times = trace.t.tolist()
     keys = trace.keys
-    bar = tqdm(total=len(keys), disable=not progress, unit="acc", mininterval=0.5, leave=False)
+    # The bar stays on screen when done (leave=True), so a capture of stderr shows each run's
+    # final count and rate rather than an erased line.
+    bar = tqdm(total=len(keys), disable=not progress, unit="acc", mininterval=0.5, desc=label)
     start = time.perf_counter()
     step = 8192
     if warmup:

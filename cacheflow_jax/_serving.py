@@ -40,6 +40,8 @@ class ServingSession:
     ) -> None:
         self.cache = cache
         self._log = log
+        self.metrics_url: str | None = None  # set by serving(metrics_port=...)
+        self._metrics: Any = None  # its /metrics server, stopped when the session ends
         self._rows: dict[str, EmbeddingRows] = {}
         self._row_settings = {"period": promote_every, "half_life": row_half_life}
         self._embedding_bytes = embedding_bytes
@@ -131,6 +133,7 @@ def serving(
     embedding_bytes: int | None = None,
     promote_every: int = 16,
     row_half_life: float = 64.0,
+    metrics_port: int | None = None,
 ) -> Iterator[ServingSession]:
     """Serves blocks from ``cache`` for the duration of a ``with`` block.
 
@@ -148,6 +151,9 @@ def serving(
         L1); taken from ``device_bytes``, so blocks and rows together stay within it.
       promote_every: lookups of a table between two promotion decisions.
       row_half_life: the half-life of the row counters, in lookups.
+      metrics_port: if given, serve the cache's counters in Prometheus text format at
+        ``http://127.0.0.1:<port>/metrics`` while the session lasts (0: any free port; the
+        session's ``metrics_url`` says which). See `cacheflow_jax.metrics`.
 
     Yields:
       A `ServingSession`.
@@ -159,8 +165,20 @@ def serving(
             return cache.info(key).nbytes, cache.kind(key)
 
         log = AccessLogWriter(access_log, describe=describe)
+    metrics = None
+    if metrics_port is not None:
+        from cacheflow_jax.metrics import serve as serve_metrics
+
+        try:
+            metrics = serve_metrics(cache, port=metrics_port)
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
     session = ServingSession(cache, log, embedding_bytes=embedding_bytes,
                              promote_every=promote_every, row_half_life=row_half_life)
+    session.metrics_url = metrics.url if metrics is not None else None
+    session._metrics = metrics
     cache.start_prefetch()
     try:
         yield session
@@ -193,4 +211,6 @@ def _finish(session: ServingSession, log: AccessLogWriter | None) -> list[Except
             log.close()
         except Exception as err:
             errors.append(err)
+    if session._metrics is not None:
+        session._metrics.close()
     return errors

@@ -3,7 +3,7 @@
 Every reader returns a `Trace`: columns of one access each (time, key, nbytes, kind, request).
 Formats:
 
-* ``log``: access log v1 (DESIGN.md), JSON Lines or CSV with the header ``t,key,nbytes,kind,req``.
+* ``log``: access log v1 (docs/design.md), JSON Lines or CSV with the header ``t,key,nbytes,kind,req``.
 * ``mooncake``: Mooncake-style JSON Lines, one request per line with ``timestamp`` (ms) and
   ``hash_ids``; each hash id becomes one access to key ``kv:<id>`` of ``block_bytes`` bytes (unit
   size by default).
@@ -33,6 +33,9 @@ from cacheflow_jax._blocks import parse_bytes
 FORMATS = ("log", "mooncake", "libcachesim-csv", "txt")
 KINDS = ("weight", "embedding", "kv", "other")
 LOG_COLUMNS = ("t", "key", "nbytes", "kind", "req")
+# The largest block a trace may name (256 TiB): far above any cache block, and small enough that
+# the sizes of millions of keys add up without overflowing 64-bit integers.
+MAX_NBYTES = 2**48
 
 
 class TraceFormatError(ValueError):
@@ -196,6 +199,8 @@ def _check_row(path: str, line: int, row: dict, last_t: float) -> tuple:
             raise _fail(path, line, f"nbytes={nbytes!r} is not an integer") from None
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise _fail(path, line, f"nbytes={nbytes!r} must be an integer > 0")
+    if nbytes > MAX_NBYTES:
+        raise _fail(path, line, f"nbytes={nbytes} is more than {MAX_NBYTES} (256 TiB)")
     if kind not in KINDS:
         raise _fail(path, line, f"kind={kind!r} must be one of {KINDS}")
     req = row.get("req")
@@ -328,12 +333,14 @@ def _read_csv(f, path: str, cols: tuple, *, limit: int | None, csv_spec: str | N
             t = float(fields[tc]) if tc is not None else float(lineno - start)
             key = fields[kc].strip()
             size = int(float(fields[sc])) if sc is not None else 1
-        except (IndexError, ValueError) as e:
+        except (IndexError, ValueError, OverflowError) as e:
             raise _fail(path, lineno, f"bad row {fields!r}: {e}") from None
         if not key:
             raise _fail(path, lineno, "empty key")
         if size <= 0:
             raise _fail(path, lineno, f"size {size} must be > 0")
+        if size > MAX_NBYTES:
+            raise _fail(path, lineno, f"size {size} is more than {MAX_NBYTES} (256 TiB)")
         last_t = max(last_t, t)  # libCacheSim tolerates small reorderings; keep t monotone
         _append(cols, (last_t, key, size, "other", None))
 
@@ -361,28 +368,57 @@ def _read_txt(f, path: str, cols: tuple, *, limit: int | None, **_) -> None:
         _append(cols, (float(lineno - 1), key, 1, "other", None))
 
 
-def parse_size(text: str | int, *, total: int, largest: int, setting: str) -> int:
+def parse_size(
+    text: str | int, *, total: int, largest: int, setting: str, unit_size: bool = False
+) -> int:
     """Parses a byte size: ``1024``, ``64KiB``, ``1.5GiB`` or ``5%`` (of ``total``, rounded down).
 
+    Args:
+      text: the size as given.
+      total: what 100% is (the trace's distinct bytes).
+      largest: the trace's largest object, in bytes.
+      setting: the option's name, for messages (``--device-bytes``).
+      unit_size: the trace counts every key as one block (no byte sizes): a size is then a block
+        count or a percentage, and a byte unit is an error rather than a silent reinterpretation.
+
     Raises:
-      ValueError: unparsable, negative, or a plain number smaller than the largest object (the
-        message suggests a unit or a percentage).
+      ValueError: unparsable, negative, not finite, a fraction of a byte, a plain number smaller
+        than the largest object (the message suggests a unit or a percentage), or a byte unit on a
+        unit-size trace.
     """
     if isinstance(text, int):
         value, unitless = text, True
     elif text.strip().endswith("%"):
         try:
-            value, unitless = int(total * float(text.strip()[:-1]) / 100), False
+            share = float(text.strip()[:-1])
         except ValueError:
             raise ValueError(f"{setting}={text!r} is not a percentage such as 5%") from None
+        if not math.isfinite(share):
+            raise ValueError(f"{setting}={text!r} is not a finite percentage; give e.g. 5%")
+        value, unitless = int(total * share / 100), False
     else:
         try:
             value, unitless = parse_bytes(text)
-        except ValueError:
+        except ValueError as e:
+            if "whole number" in str(e):
+                raise ValueError(
+                    f"{setting}={text!r} is not a whole number of "
+                    f"{'blocks' if unit_size else 'bytes'}"
+                ) from None
             raise ValueError(
-                f"{setting}={text!r} is not a size; use bytes with an optional unit "
-                "(1048576, 64KiB, 2GiB) or a percentage of the trace's distinct bytes (5%)"
+                f"{setting}={text!r} is not a size; use "
+                + ("a number of blocks (1000)" if unit_size
+                   else "bytes with an optional unit (1048576, 64KiB, 2GiB)")
+                + " or a percentage of the trace's distinct "
+                + ("blocks" if unit_size else "bytes") + " (5%)"
             ) from None
+        if unit_size and not unitless:
+            raise ValueError(
+                f"{setting}={text!r} is in bytes, but this trace has unit sizes (every key is one "
+                f"block, {total} blocks in all), so sizes count blocks: give a number of blocks "
+                f"({max(total // 10, 1)}) or a percentage (10%); for byte sizes give the trace "
+                "byte sizes (--block-bytes for a Mooncake trace)"
+            )
     if value < 0:
         raise ValueError(f"{setting}={text!r} is negative")
     if unitless and 0 < value < largest:

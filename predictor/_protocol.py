@@ -14,7 +14,7 @@ KINDS = ("weight", "embedding", "kv", "other")
 
 
 class Access(NamedTuple):
-    """One access of the access log v1 (DESIGN.md).
+    """One access of the access log v1 (docs/design.md).
 
     Attributes:
       key: the block's key, e.g. ``"kv:123"`` or ``"params/w@3,0"``.

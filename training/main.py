@@ -1,25 +1,46 @@
 """``python -m training.main LOG... --out DIR``: train the predictor MLP (thin; see train.py).
 
-Same options as ``cacheflow train``. Prints a table of the evaluation, or with ``--json``
-``{"eval": {"mlp": {"precision", "recall"}, "last_successor": ..., "markov": ..., "stride":
-...}, "selected": {"min_score", "hedge", "source"}, "train_seconds", "predict_us", ...}``.
+Same options as ``cacheflow train``, which runs this script. Prints a table of the evaluation,
+or with ``--json`` ``{"eval": {"mlp": {"precision", "recall"}, "last_successor": ...,
+"markov": ..., "stride": ...}, "selected": {"min_score", "hedge", "source"}, "train_seconds",
+"predict_us", "outputs", ...}``. Bad input prints one line and exits with status 2, before any
+work; Ctrl-C prints ``cacheflow train: interrupted`` and exits with 130.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
-
-from training import train
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 _NAMES = ("mlp", "last_successor", "markov", "stride")
+_PROG = "cacheflow train"
+DESCRIPTION = (
+    "Train the predictor MLP (Flax NNX, Optax AdamW with warm-up and cosine decay) on access "
+    "logs. Each log is split by time: the model is fit on the head, its serving settings "
+    "(min_score, hedge) are chosen on a validation slice, and it is evaluated, with the "
+    "last-successor, Markov and stride baselines, on the held-out tail. Writes OUT/checkpoint "
+    "(orbax), OUT/metrics.json and OUT/loss.png. See docs/predictor.md."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (no usage dump), exit status 2, as the rest of ``cacheflow``."""
+
+    def error(self, message: str) -> NoReturn:
+        """Prints ``cacheflow train: error: <message> (see cacheflow train --help)``, exits 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the training options (shared with ``cacheflow train``) to ``p``."""
+    from training import train
+
     d = train.TrainConfig
     p.add_argument("logs", nargs="+", metavar="LOG", help="access logs (v1 or Mooncake JSONL)")
     p.add_argument(
@@ -94,12 +115,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def config_from_args(args: argparse.Namespace) -> train.TrainConfig:
-    """The `train.TrainConfig` the parsed options ask for.
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The `training.train.TrainConfig` the parsed options ask for.
 
     Raises:
       ValueError: a setting out of range.
     """
+    from training import train
+
     return train.config(
         args.logs,
         args.out,
@@ -134,24 +157,71 @@ def format_metrics(metrics: dict[str, Any]) -> str:
             f"selected min_score {sel['min_score']} hedge {sel['hedge']} ({sel['source']})"
         )
     us = metrics.get("predict_us")
+    outputs = metrics.get("outputs") or [metrics.get("checkpoint", "-")]
     lines.append(
         f"train_seconds {metrics['train_seconds']:.1f}, predict_us "
-        f"{'-' if us is None else f'{us:.0f}'}; wrote {metrics.get('checkpoint', '-')}"
+        f"{'-' if us is None else f'{us:.0f}'}; wrote {', '.join(outputs)}"
     )
     return "\n".join(lines)
 
 
+def _unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An unraisable-exception hook that raises Ctrl-C again in the main thread.
+
+    A KeyboardInterrupt that lands in a garbage-collector callback (JAX installs one) or a
+    ``__del__`` would be printed as "Exception ignored" and training would go on; this raises it
+    again where ``main`` catches it (the same rule as ``cacheflow_jax.cli.interrupts_reach_main``:
+    this script does not import the library's CLI).
+    """
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # From another thread, a moment later: raised in this hook, it would be "ignored"
+            # once more.
+            threading.Timer(0.01, _thread.interrupt_main).start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses the options, trains, prints the evaluation; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="cacheflow train", description=__doc__)
+    previous = sys.unraisablehook
+    sys.unraisablehook = _unraisable(previous)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): end quietly, like cat
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        return 141
+    finally:
+        sys.unraisablehook = previous
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = _Parser(prog=_PROG, description=DESCRIPTION)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    from training import train
+
     try:
         metrics = train.run(config_from_args(args), log=lambda line: print(line, file=sys.stderr))
-    except (FileNotFoundError, ValueError, OSError) as err:  # bad input: one line, status 2
-        print(f"cacheflow train: error: {' '.join(str(err).split())}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad input: one line, status 2
+        print(f"{_PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(json.dumps(metrics, indent=1) if args.json else format_metrics(metrics))
+    sys.stdout.flush()
     return 0
 
 

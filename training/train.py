@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -290,6 +291,9 @@ def build_examples(
                 ex.keys.append(cands)
             ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
             ex.mask[row, : len(cands)] = 1.0
+    if progress is not None:
+        # The walk stops at the last recorded position; the rest of the stream is done too.
+        progress(len(accesses) - (last + 1) // 4096 * 4096)
     return out
 
 
@@ -413,6 +417,8 @@ def evaluate(
     top_k: int,
     lookahead: int,
     timing_calls: int = 0,
+    progress: bool = False,
+    label: str = "evaluate",
 ) -> dict[str, Any]:
     """Precision and recall of the MLP and the baselines on ``accesses[start:]``.
 
@@ -426,6 +432,8 @@ def evaluate(
       top_k: keys asked for per position.
       lookahead: W of the metrics.
       timing_calls: also time this many MLP ``predict`` calls (after 100 warm-up calls).
+      progress: show a progress bar (the MLP's pass, then one step per baseline) on stderr.
+      label: the bar's label.
 
     Returns:
       ``{"mlp": Metrics, "last_successor": ..., "markov": ..., "stride": ..., "predict_us":
@@ -437,19 +445,34 @@ def evaluate(
     times: list[float] = []
     preds: list[list[str]] = []
     clock = time.perf_counter
-    for i, access in enumerate(accesses):
-        mlp.observe(access)
-        if i >= start:
-            t0 = clock()
-            got = mlp.predict(top_k)
-            times.append(clock() - t0)
-            preds.append([key for key, _ in got])
-    out["mlp"] = predictor.prediction_metrics(keys, preds, start=start, lookahead=lookahead)
-    for name in BASELINE_NAMES:
-        preds = predictor.run_predictor(
-            predictor.BASELINES[name](), accesses, start=start, top_k=top_k
-        )
-        out[name] = predictor.prediction_metrics(keys, preds, start=start, lookahead=lookahead)
+    bar = tqdm(
+        total=len(accesses) * (1 + len(BASELINE_NAMES)),
+        desc=label,
+        unit="acc",
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=0.5,
+    )
+    with bar:
+        for i, access in enumerate(accesses):
+            mlp.observe(access)
+            if i >= start:
+                t0 = clock()
+                got = mlp.predict(top_k)
+                times.append(clock() - t0)
+                preds.append([key for key, _ in got])
+            if i % 1024 == 1023:
+                bar.update(1024)
+        bar.update(len(accesses) - len(accesses) // 1024 * 1024)
+        out["mlp"] = predictor.prediction_metrics(keys, preds, start=start, lookahead=lookahead)
+        for name in BASELINE_NAMES:
+            preds = predictor.run_predictor(
+                predictor.BASELINES[name](), accesses, start=start, top_k=top_k
+            )
+            out[name] = predictor.prediction_metrics(
+                keys, preds, start=start, lookahead=lookahead
+            )
+            bar.update(len(accesses))
     timed = times[100 : 100 + timing_calls] if timing_calls else []
     out["predict_us"] = statistics.median(timed) * 1e6 if timed else None
     return out
@@ -639,6 +662,22 @@ def select(rows: Sequence[dict[str, Any]], precision_floor: float) -> dict[str, 
 
 def plot_losses(history: dict[str, Any], path: Path) -> None:
     """Writes the training and eval loss curves as a PNG (matplotlib, Agg backend)."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(history)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def loss_figure(history: dict[str, Any]) -> Any:
+    """The training and eval loss curves on a log scale, as a matplotlib figure.
+
+    Args:
+      history: `fit`'s loss history.
+
+    Returns:
+      The figure (the caller saves and closes it).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -656,12 +695,15 @@ def plot_losses(history: dict[str, Any], path: Path) -> None:
         steps, values = zip(*([(0, history["initial_eval_loss"])] + ev))
         ax.plot(steps, values, "o-", label="held-out tail")
     ax.set_xlabel("step")
-    ax.set_ylabel("masked BCE")
+    # The loss falls by an order of magnitude in the first few hundred steps; on a linear axis
+    # the rest of the run, where the useful differences are, would be squashed flat.
+    ax.set_yscale("log")
+    ax.set_ylabel("masked BCE (log scale)")
     ax.set_title("predictor MLP loss")
+    ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _read(path: str) -> list[predictor.Access]:
@@ -681,12 +723,14 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
       "selected": {"min_score", "hedge", "source": "validation" | "flags"}, "validation":
       {"rule", "slices", "precision_floor", "baselines", "grid"}, "train_seconds",
       "predict_us", "logs": {path: details}, "eval_logs": {path: details}, "train": {...},
-      "checkpoint", "config"}``.
+      "checkpoint", "outputs": [checkpoint, metrics.json, loss.png], "config"}``.
 
     Raises:
       FileNotFoundError: a log does not exist.
-      ValueError: a log is malformed or too short to train on.
+      ValueError: a log is malformed or too short to train on, or the outputs cannot be
+        written (checked before any work, see `check_paths`).
     """
+    check_paths(cfg)
     t_start = time.perf_counter()
     fcfg = cfg.feature_config()
     rng = np.random.default_rng([cfg.seed, 0])
@@ -730,7 +774,15 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
         val_sets.append(ex["val"])
     train = _concat(train_sets)
     held_out = _concat(held_sets)
+    log(
+        f"train: fitting the MLP on {len(train)} positions ({cfg.epochs} epochs); the first "
+        "step compiles"
+    )
     model, history = fit(cfg, train, held_out)
+    log(
+        "train: choosing min_score and hedge on the validation slices "
+        f"({sum(s - v for v, s in zip(val_starts, splits))} positions)"
+    )
 
     t_select = time.perf_counter()
     slices = [
@@ -790,7 +842,10 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
             top_k=cfg.top_k,
             lookahead=cfg.lookahead,
             timing_calls=cfg.timing_calls,
+            progress=cfg.progress,
         )
+
+    log("train: evaluating the MLP and the baselines on the held-out tails")
 
     per_log, results = {}, []
     for path, accesses, start in zip(cfg.logs, streams, splits):
@@ -844,9 +899,55 @@ def run(cfg: TrainConfig, *, log: Callable[[str], None] = lambda line: None) -> 
         },
     )
     metrics["checkpoint"] = str(ckpt)
+    metrics["outputs"] = [str(ckpt), str(cfg.out / "metrics.json"), str(cfg.out / "loss.png")]
     plot_losses(history, cfg.out / "loss.png")
     (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    log(f"train: wrote {', '.join(metrics['outputs'])}")
     return metrics
+
+
+OUTPUTS = ("checkpoint", "metrics.json", "loss.png")
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Checks, before any work, that the logs can be read and the outputs written.
+
+    Nothing is created. ``cfg.out`` must be a directory or not exist yet (with a writable
+    directory above it), and the outputs in it must not be of the wrong kind (a ``checkpoint``
+    file, a ``metrics.json`` directory).
+
+    Raises:
+      FileNotFoundError: a log does not exist.
+      ValueError: a log is a directory, or an output cannot be written (the message says why).
+    """
+    for path in (*cfg.logs, *cfg.eval_logs):
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"access log {path} is a directory; give a log file")
+        if not p.exists():
+            raise FileNotFoundError(f"access log {path} does not exist")
+    out = cfg.out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory (it is created if missing)")
+    if out.is_dir():
+        for name in OUTPUTS:
+            target = out / name
+            if target.exists() and target.is_dir() != (name == "checkpoint"):
+                kind = "a directory" if target.is_dir() else "a file"
+                raise ValueError(
+                    f"--out {out}: {target} is {kind} and would be replaced by the "
+                    f"{'checkpoint directory' if name == 'checkpoint' else name}; move it away "
+                    "or give another --out"
+                )
+        parent = out
+    else:
+        parent = out.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"--out {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: cannot write in {parent} (permission denied)")
 
 
 def evaluate_checkpoint(

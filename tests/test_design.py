@@ -1,0 +1,203 @@
+"""docs/design.md stays true: its module map against the imports, its replay JSON table against
+what replay and stats() return, and its contracts all present."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cacheflow_jax as cfj
+from cacheflow_jax.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DESIGN = ROOT / "docs" / "design.md"
+PACKAGES = ("cacheflow_jax", "predictor", "pallas_kernels", "training")
+PROJECT = (*PACKAGES, "bench", "tests", "examples")
+
+
+def _section(title: str) -> str:
+    text = DESIGN.read_text()
+    match = re.search(rf"^##+ {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"docs/design.md has no section {title!r}"
+    return match.group(1)
+
+
+def _table_rows(section: str) -> list[list[str]]:
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows[1:]  # without the header
+
+
+def _module_map() -> dict[str, list[str]]:
+    """module -> what it may import; a name followed by "(types only)" is kept as "name:types"."""
+    out = {}
+    for row in _table_rows(_section("Module map")):
+        module = row[0].strip("`")
+        out[module] = [
+            name + (":types" if types else "")
+            for name, types in re.findall(r"`([A-Za-z_][\w.]*)`( \(types only\))?", row[2])
+        ]
+    return out
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """The ids of the import nodes under ``if TYPE_CHECKING:`` (no import at run time)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """The project modules ``path`` imports, anywhere in the file (absolute names); an import
+    made only for type checkers is ``"name:types"``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = _type_checking_nodes(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from pkg import mod` imports pkg.mod when mod is a module.
+            names = [node.module] + [
+                f"{node.module}.{a.name}" for a in node.names
+                if (ROOT / node.module.replace(".", "/") / f"{a.name}.py").is_file()
+            ]  # fmt: skip
+        else:
+            continue
+        suffix = ":types" if id(node) in type_only else ""
+        found.update(n + suffix for n in names if n.split(".")[0] in PROJECT)
+    return found
+
+
+def _allowed(name: str, allowed: list[str]) -> bool:
+    """Whether import ``name`` (maybe ``"x:types"``) is covered by a "may import" entry."""
+    plain, _, types = name.partition(":")
+    for entry in allowed:
+        module, _, entry_types = entry.partition(":")
+        if entry_types and not types:
+            continue  # allowed for type checkers only, imported at run time
+        if plain == module or plain.startswith(module + "."):
+            return True
+    return False
+
+
+def _row_for(path: Path, rows: dict[str, list[str]]) -> str | None:
+    rel = path.relative_to(ROOT).as_posix()
+    if rel in rows:
+        return rel
+    package = f"{rel.split('/')[0]}/*"
+    return package if package in rows else None
+
+
+def test_module_map_lists_every_module_and_allows_its_imports() -> None:
+    rows = _module_map()
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            row = _row_for(path, rows)
+            if row is None:
+                problems.append(f"{path.relative_to(ROOT)} has no row in the module map")
+                continue
+            allowed = rows[row]
+            own = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+            own = own.removesuffix(".__init__")  # a package's __init__ is the package itself
+            for name in sorted(_imports(path)):
+                if name.partition(":")[0] == own or _allowed(name, allowed):
+                    continue
+                problems.append(f"{path.relative_to(ROOT)} imports {name}, not in its row {row}")
+    assert not problems, "docs/design.md's module map is out of date:\n" + "\n".join(problems)
+
+
+def test_module_map_forbids_what_the_design_forbids() -> None:
+    rows = _module_map()
+    # The cache sees a predictor only as the protocol's type, and never the training script.
+    cache = rows["cacheflow_jax/_cache.py"]
+    assert [a for a in cache if a.startswith("predictor")] == ["predictor:types"]
+    assert not any(a.startswith("training") for a in cache)
+    assert _allowed("predictor:types", cache) and not _allowed("predictor", cache)
+    assert rows["pallas_kernels/*"] == ["pallas_kernels"]
+    assert "training" not in " ".join(rows["cacheflow_jax/cli.py"])
+
+
+def test_design_covers_the_contracts() -> None:
+    for title in ("Data flow", "Blocks and keys", "Access log v1", "Replay JSON and `stats()`",
+                  "Command line", "Metrics", "Module map"):  # fmt: skip
+        assert _section(title).strip()
+    keys = _section("Blocks and keys")
+    assert cfj.block_key("params/layers_3/mlp/kernel", (0, 2)) in keys
+    assert cfj.block_key("step", ()) in keys
+
+
+def _replay_fields() -> list[tuple[str, bool]]:
+    return [(row[0].strip("`"), row[1] == "yes")
+            for row in _table_rows(_section("Replay JSON and `stats()`"))]  # fmt: skip
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
+def test_replay_json_and_stats_have_the_documented_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"t": i, "key": f"k{i % 5}", "nbytes": 64, "kind": "kv"} for i in range(40)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["replay", str(trace), "--device-bytes", "128", "--host-bytes", "64", "--json",
+                 "--no-progress"]) == 0  # fmt: skip
+    replayed = json.loads(capsys.readouterr().out)
+    store = cfj.write_store({"w": np.ones((4, 16), np.float32)}, tmp_path / "s", chunk_bytes=64)
+    cache = cfj.TieredCache(store, device_bytes=128, host_bytes=64)
+    cache.get("w@0,0")
+    live = cache.stats()
+    fields = _replay_fields()
+    assert len(fields) > 20
+    for name, in_stats in fields:
+        _get(replayed, name)  # KeyError names a documented field replay lacks
+        if in_stats:
+            _get(live, name)
+    documented = {name.split(".")[0] for name, _ in fields}
+    assert set(replayed) <= documented, set(replayed) - documented
+
+
+# ------------------------------------------------------------------------------ references
+
+# Files the benchmarks write under their --out folder (bench/out/ by default).
+GENERATED = {"policies.md", "two_tier.md"}
+
+
+def _tracked_text_files() -> list[Path]:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "bench").glob("*.md"))]  # fmt: skip
+    for package in PACKAGES:
+        files += sorted((ROOT / package).glob("*.py"))
+    return files
+
+
+def test_every_doc_reference_points_inside_the_project() -> None:
+    bad = []
+    for path in _tracked_text_files():
+        text = path.read_text()
+        if "DESIGN.md" in text:
+            bad.append(f"{path.relative_to(ROOT)} cites DESIGN.md, which is not in the project")
+        for ref in re.findall(r"(?<![\w/.:-])((?:\.\./|[\w-]+/)*[\w-]+\.md)\b", text):
+            if ref in GENERATED or ref.startswith("bench/out/"):
+                continue
+            if not ((ROOT / ref).is_file() or (path.parent / ref).resolve().is_file()):
+                bad.append(f"{path.relative_to(ROOT)} points to {ref}, which is not in the project")
+            elif not (path.parent / ref).resolve().is_relative_to(ROOT) and not (
+                ROOT / ref
+            ).is_file():
+                bad.append(f"{path.relative_to(ROOT)} points outside the project: {ref}")
+    assert not bad, "\n".join(bad)
