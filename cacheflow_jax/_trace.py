@@ -427,3 +427,28 @@ def parse_size(
             f"({largest} bytes); did you mean {text}% or {text}MiB?"
         )
     return value
+
+
+def split_point(t: np.ndarray, eval_fraction: float) -> int:
+    """The first held-out position: the last ``eval_fraction`` of accesses, cut between timestamps.
+
+    `cacheflow train` splits its logs here, and `cacheflow replay --warmup P%` starts counting
+    here, so a predictor trained on the head is replayed on exactly the tail it never saw.
+
+    Args:
+      t: the accesses' times (non-decreasing).
+      eval_fraction: the share held out, in (0, 1).
+
+    Returns:
+      ``start`` with ``t[start-1] < t[start]`` (unless no later timestamp exists), ``1 <= start``.
+
+    >>> split_point(np.array([0., 0., 1., 1., 1., 2.]), 0.5)
+    5
+    """
+    n = len(t)
+    start = min(max(int(math.ceil((1.0 - eval_fraction) * n)), 1), n - 1) if n > 1 else n
+    while 0 < start < n and t[start] == t[start - 1]:
+        start += 1
+    if start >= n:  # one timestamp to the end: fall back to the plain access count
+        start = min(max(int(math.ceil((1.0 - eval_fraction) * n)), 1), n)
+    return start

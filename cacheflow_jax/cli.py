@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -404,7 +404,74 @@ _REPLAY_COLUMNS = (
     ("byte_miss_ratio", "byte miss"),
     ("accesses_per_second", "acc/s"),
 )
+_PREFETCH_COLUMNS = (
+    ("prefetch.issued", "issued"),
+    ("prefetch.timely", "timely"),
+    ("prefetch.late", "late"),
+    ("prefetch.accuracy", "accuracy"),
+    ("prefetch.coverage", "coverage"),
+)
 REPLAY_POLICIES = ("lfu", "lru", "lfu-plain", "belady")
+
+
+def _replay_prefetchers(spec: str) -> list[tuple[str, Callable[[], Any]]]:
+    """``--prefetch``: (name, factory) per predictor, checked before any replay runs.
+
+    Raises:
+      UserError: an unknown name, or an ``mlp:DIR`` that is not a loadable checkpoint.
+    """
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise UserError(f"--prefetch {spec!r} lists no predictor; give e.g. --prefetch none,markov")
+    out: list[tuple[str, Callable[[], Any]]] = []
+    for name in names:
+        if name == "none":
+            out.append((name, lambda: None))
+            continue
+        import predictor
+
+        baselines = {
+            "last-successor": predictor.last_successor,
+            "markov": predictor.markov,
+            "stride": predictor.stride,
+        }
+        if name in baselines:
+            out.append((name, baselines[name]))
+        elif name.startswith("mlp:"):
+            path = name[4:]
+            try:
+                predictor.load(path)  # checked now, loaded fresh for each replay
+            except predictor.CheckpointError as err:
+                raise UserError(f"--prefetch {name}: {err}") from None
+            out.append((name, lambda path=path: predictor.load(path)))
+        else:
+            raise UserError(
+                f"--prefetch {name!r} is not a predictor; use none, last-successor, markov, "
+                "stride or mlp:DIR"
+            )
+    return out
+
+
+def _replay_warmup(text: str, trace: Any) -> int:
+    """``--warmup``: a count of accesses, or a percentage cut between timestamps."""
+    from cacheflow_jax._trace import split_point
+
+    n = len(trace.keys)
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100.0
+            if not 0.0 <= share < 1.0:
+                raise ValueError
+            return 0 if share == 0.0 else split_point(trace.t, 1.0 - share)
+        count = int(text)
+        if not 0 <= count < n:
+            raise ValueError
+        return count
+    except ValueError:
+        raise UserError(
+            f"--warmup {text!r} must be a number of accesses below the trace's {n}, or a "
+            "percentage below 100%, e.g. 70%"
+        ) from None
 
 
 def _replay_policies(args: argparse.Namespace) -> list[str]:
@@ -435,6 +502,7 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
       UserError: a bad or missing setting, a trace that is not a file, or an unwritable --plot.
       ValueError: a size that cannot be parsed, or a malformed trace.
     """
+    from cacheflow_jax._prefetch import PrefetchSettings
     from cacheflow_jax._replay import replay
     from cacheflow_jax._trace import parse_size as parse_trace_size
     from cacheflow_jax._trace import read_trace
@@ -452,9 +520,11 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
     else:
         raise UserError("give --device-bytes SIZE or --sizes 1%,5%,... (see --help)")
     policies = _replay_policies(args)
+    prefetchers = _replay_prefetchers(args.prefetch)
     trace = read_trace(
         args.trace, format=args.format, block_bytes=args.block_bytes, csv_spec=args.csv_spec
     )
+    warmup = _replay_warmup(args.warmup, trace)
     total = trace.distinct_bytes()
     largest = int(trace.nbytes.max())
     unit = largest == 1
@@ -467,20 +537,29 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
         for size in sizes
     ]
     runs = []
+    settings = PrefetchSettings(lead=args.lead, keys_known=args.keys_known)
     for policy in policies:
         for size, device in zip(sizes, devices):
-            stats = replay(
-                trace,
-                device_bytes=device,
-                host_bytes=host,
-                policy=policy,
-                progress=not args.no_progress,
-                label=f"replay {policy} {size}",
-            )
-            stats["size"] = size
-            stats["distinct_bytes"] = total
-            stats["unit_size"] = unit
-            runs.append(stats)
+            for name, make in prefetchers:
+                stats = replay(
+                    trace,
+                    device_bytes=device,
+                    host_bytes=host,
+                    policy=policy,
+                    prefetcher=make(),
+                    prefetch=settings if name != "none" else None,
+                    warmup=warmup,
+                    progress=not args.no_progress,
+                    label=f"replay {policy} {size}" + (f" {name}" if name != "none" else ""),
+                )
+                stats["size"] = size
+                stats["distinct_bytes"] = total
+                stats["unit_size"] = unit
+                stats["prefetcher"] = name
+                stats["lead"] = args.lead
+                stats["keys_known"] = args.keys_known
+                stats["warmup"] = warmup
+                runs.append(stats)
     if args.plot:
         plot_miss_ratio_curve(runs, args.plot)
     return runs
@@ -496,11 +575,18 @@ def _field(stats: dict[str, Any], name: str) -> Any:
 def format_replay(runs: list[dict[str, Any]]) -> str:
     """The replay runs as one table, a row per policy and size; sizes read as blocks or bytes."""
     several = len({r["policy"]["name"] for r in runs}) > 1
-    titles = [title for _, title in _REPLAY_COLUMNS]
-    cells: list[Sequence[str]] = [(["policy"] if several else []) + titles]
+    prefetching = any(r.get("prefetcher", "none") != "none" for r in runs)
+    columns = _REPLAY_COLUMNS + (_PREFETCH_COLUMNS if prefetching else ())
+    titles = [title for _, title in columns]
+    lead = ["policy"] if several else []
+    if prefetching:
+        lead.append("prefetch")
+    cells: list[Sequence[str]] = [lead + titles]
     for stats in runs:
         row = [stats["policy"]["name"]] if several else []
-        for name, _ in _REPLAY_COLUMNS:
+        if prefetching:
+            row.append(stats.get("prefetcher", "none"))
+        for name, _ in columns:
             value = _field(stats, name)
             if name in ("device_bytes", "host_bytes"):
                 row.append(_blocks_or_bytes(value, stats["unit_size"]))
@@ -509,7 +595,7 @@ def format_replay(runs: list[dict[str, Any]]) -> str:
             else:
                 row.append(str(value))
         cells.append(row)
-    lines = _table(cells, right=set(range(1 if several else 0, len(cells[0]))))
+    lines = _table(cells, right=set(range(len(lead), len(cells[0]))))
     first = runs[0]
     total = first["distinct_bytes"]
     if first["unit_size"]:
@@ -522,7 +608,7 @@ def format_replay(runs: list[dict[str, Any]]) -> str:
 
 
 def plot_miss_ratio_curve(runs: list[dict[str, Any]], path: str | os.PathLike) -> None:
-    """Draws miss ratio against L1 size, one line per policy, and writes it to ``path``.
+    """Draws miss ratio against L1 size, one line per policy (and prefetcher), to ``path``.
 
     Args:
       runs: replay runs (see `run_replay`), any number of policies and sizes.
@@ -537,11 +623,14 @@ def plot_miss_ratio_curve(runs: list[dict[str, Any]], path: str | os.PathLike) -
     total = first["distinct_bytes"]
     unit = "blocks" if first["unit_size"] else "bytes"
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in dict.fromkeys(r["policy"]["name"] for r in runs):
+
+    def line(r: dict[str, Any]) -> str:
+        prefetcher = r.get("prefetcher", "none")
+        return r["policy"]["name"] + ("" if prefetcher == "none" else f" + {prefetcher}")
+
+    for name in dict.fromkeys(line(r) for r in runs):
         points = sorted(
-            (100.0 * r["device_bytes"] / total, r["miss_ratio"])
-            for r in runs
-            if r["policy"]["name"] == name
+            (100.0 * r["device_bytes"] / total, r["miss_ratio"]) for r in runs if line(r) == name
         )
         xs, ys = zip(*points)
         ax.plot(xs, ys, "o-", label=name)
@@ -864,6 +953,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mooncake: bytes per KV block (default 1: unit size)")
     p.add_argument("--csv-spec", metavar="SPEC",
                    help="libcachesim-csv column spec, e.g. time=2,key=5,size=4,header=true")
+    p.add_argument(
+        "--prefetch", metavar="LIST", default="none",
+        help="prefetch with these predictors, one replay each: none, last-successor, markov, "
+        "stride, or mlp:DIR (a checkpoint from `cacheflow train`); comma-separated to compare "
+        "(default none)",
+    )
+    p.add_argument(
+        "--lead", type=_positive_int, default=1, metavar="N",
+        help="a prefetch issued at access i is usable from access i+N on (default 1)",
+    )
+    p.add_argument(
+        "--keys-known", action="store_true",
+        help="every key of the trace is in L3 from the start (weights); by default a key can "
+        "be prefetched only after its first access (KV blocks are written first)",
+    )
+    p.add_argument(
+        "--warmup", metavar="N|P%", default="0",
+        help="the first N accesses (or P%% of them, cut between timestamps as `cacheflow train "
+        "--eval-fraction` cuts) warm the cache and the predictor up and are not counted; e.g. "
+        "70%% to replay the 30%% a predictor trained on the rest never saw",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_replay)

@@ -81,3 +81,62 @@ def test_bench_lists_and_rejects(capsys):
     assert "metadata_memory" in capsys.readouterr().out
     assert main(["bench", "nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- prefetch
+
+
+def test_replay_with_prefetchers_compares_them_in_one_table(small_trace, capsys, tmp_path):
+    import predictor
+
+    ckpt = predictor.save(tmp_path / "ckpt", predictor.mlp(seed=0, hidden=8, hedge=1))
+    argv = ["replay", small_trace, "--device-bytes", "5%", "--no-progress",
+            "--prefetch", f"none,last-successor,markov,stride,mlp:{ckpt}", "--warmup", "50%"]
+    assert main([*argv, "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert [r["prefetcher"] for r in runs] == [
+        "none", "last-successor", "markov", "stride", f"mlp:{ckpt}"]
+    assert all(r["lead"] == 1 and not r["keys_known"] and r["warmup"] > 0 for r in runs)
+    assert runs[0]["prefetch"]["issued"] == 0
+    assert runs[1]["prefetch"]["issued"] > 0 and runs[1]["prefetch"]["used"] > 0
+    # every run replays the same accesses after the same warm-up
+    assert len({r["requests"] for r in runs}) == 1
+    assert runs[1]["device_miss_ratio"] < runs[0]["device_miss_ratio"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "prefetch" in table and "accuracy" in table and "coverage" in table
+    assert "last-successor" in table and "stride" in table
+
+
+def test_replay_lead_makes_prefetches_late(small_trace, capsys):
+    base = ["replay", small_trace, "--device-bytes", "5%", "--no-progress", "--json",
+            "--prefetch", "last-successor"]
+    assert main([*base, "--lead", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*base, "--lead", "3"]) == 0
+    three = json.loads(capsys.readouterr().out)
+    # The last successor is needed at the very next access: issued 3 accesses ahead of its use,
+    # it never lands in time.
+    assert one["prefetch"]["timely"] > 0 and three["prefetch"]["timely"] == 0
+    assert three["prefetch"]["late"] > 0 and three["device_miss_ratio"] > one["device_miss_ratio"]
+    assert main([*base, "--keys-known"]) == 0
+    assert json.loads(capsys.readouterr().out)["keys_known"] is True
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--prefetch", "oracle"], "'oracle' is not a predictor"),
+        (["--prefetch", ","], "lists no predictor"),
+        (["--prefetch", "mlp:/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["--warmup", "100%"], "--warmup '100%'"),
+        (["--warmup", "-3"], "--warmup '-3'"),
+        (["--warmup", "lots"], "--warmup 'lots'"),
+        (["--lead", "0"], "--lead"),
+    ],
+)
+def test_replay_prefetch_bad_input_is_one_line_exit_2(small_trace, capsys, flags, words):
+    rc = main(["replay", small_trace, "--device-bytes", "5%", "--no-progress", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err
+    assert len([x for x in err.splitlines() if x.strip()]) == 1

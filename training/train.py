@@ -43,7 +43,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import predictor
-from cacheflow_jax._trace import Trace, read_trace
+from cacheflow_jax._trace import Trace, read_trace, split_point
 from predictor import FeatureConfig, FeatureState, Metrics, MLPPredictor, ScoreMLP
 
 BASELINE_NAMES = ("last_successor", "markov", "stride")
@@ -197,28 +197,6 @@ def accesses_of(trace: Trace) -> list[predictor.Access]:
             trace.keys, trace.t.tolist(), trace.nbytes.tolist(), trace.kinds, trace.reqs
         )
     ]
-
-
-def split_point(t: np.ndarray, eval_fraction: float) -> int:
-    """The first held-out position: the last ``eval_fraction`` of accesses, cut between timestamps.
-
-    Args:
-      t: the accesses' times (non-decreasing).
-      eval_fraction: the share held out, in (0, 1).
-
-    Returns:
-      ``start`` with ``t[start-1] < t[start]`` (unless no later timestamp exists), ``1 <= start``.
-
-    >>> split_point(np.array([0., 0., 1., 1., 1., 2.]), 0.5)
-    5
-    """
-    n = len(t)
-    start = min(max(int(math.ceil((1.0 - eval_fraction) * n)), 1), n - 1) if n > 1 else n
-    while 0 < start < n and t[start] == t[start - 1]:
-        start += 1
-    if start >= n:  # one timestamp to the end: fall back to the plain access count
-        start = min(max(int(math.ceil((1.0 - eval_fraction) * n)), 1), n)
-    return start
 
 
 @dataclasses.dataclass
