@@ -345,6 +345,8 @@ def restore_lazy(
     target: Any = None,
     block_bytes: int | None = None,
     runtime: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    prefetcher: Any = None,
+    prefetch: Any = None,
 ) -> Any:
     """Opens an orbax checkpoint lazily: a pytree like orbax's restore, with `LazyArray` leaves.
 
@@ -376,6 +378,9 @@ def restore_lazy(
         sub-blocks.
       runtime: where runtime blocks (``put``) go; the checkpoint is never written (see
         `cacheflow_jax.open_store`).
+      prefetcher: a `predictor.Predictor` for the new cache to prefetch with, and ``prefetch``
+        its `PrefetchSettings` (only without ``cache``; see `TieredCache`).
+      prefetch: see ``prefetcher``.
 
     Returns:
       The restored pytree: the structure and keys of ``ocp.StandardCheckpointer().restore(path)``
@@ -408,12 +413,21 @@ def restore_lazy(
             host_bytes=host_bytes,
             policy=policy,
             block_bytes=block_bytes,
+            prefetcher=prefetcher,
+            prefetch=prefetch,
         )
     else:
-        if device_bytes is not None or host_bytes is not None or block_bytes is not None:
+        if (
+            device_bytes is not None
+            or host_bytes is not None
+            or block_bytes is not None
+            or prefetcher is not None
+            or prefetch is not None
+        ):
             raise ValueError(
                 f"restore_lazy({_label(path)!r}): pass either cache= or device_bytes=/"
-                "host_bytes=/block_bytes=, not both (the settings of an existing cache are fixed)"
+                "host_bytes=/block_bytes=/prefetcher=/prefetch=, not both (the settings of an "
+                "existing cache are fixed)"
             )
     store = cache.store
     if not isinstance(store, TensorStoreStore):
