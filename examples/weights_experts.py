@@ -52,7 +52,7 @@ def main(workdir: str) -> None:
     paths = rng.integers(0, EXPERTS, size=(4, LAYERS, 2))
     x = jnp.ones((8, D), jnp.float32)
     with cfj.serving(cache) as s:
-        for step in range(60):
+        for _ in range(60):
             path = paths[rng.choice(4, p=[0.5, 0.3, 0.15, 0.05])]
             for layer, (a, b) in enumerate(path):
                 experts = tree["layers"][layer]["experts"]
