@@ -68,7 +68,7 @@ class _Transit:
     (``threading.Event`` builds a Condition), and transits are made on every miss.
     """
 
-    __slots__ = ("_gate", "value", "error", "prefetch", "demanded", "min_age")
+    __slots__ = ("_gate", "value", "error", "prefetch", "demanded", "rank")
 
     def __init__(self, prefetch: bool = False) -> None:
         self._gate = _allocate_lock()
@@ -77,7 +77,7 @@ class _Transit:
         self.error: BaseException | None = None
         self.prefetch = prefetch  # a prefetch load: nobody asked for the block yet
         self.demanded = False  # a demand access came while the prefetch was loading (late)
-        self.min_age = 0.0  # a prefetch: its expected distance to use (planner admission)
+        self.rank = 1  # a prefetch: the guess's place in the predictor's proposals
 
     def finish(self, value: Any = None, error: BaseException | None = None) -> None:
         self.value, self.error = value, error
@@ -530,24 +530,24 @@ class TieredCache:
             self._pf_replay.after(key, now)
 
     def _install_sync(
-        self, key: str, nbytes: int, now: float, *, prefetched: bool, min_age: float = 0.0
+        self, key: str, nbytes: int, now: float, *, prefetched: bool, rank: int = 1
     ) -> bool:
         """Replay: puts ``key`` in L1, else L2, as the planner admits; True if it went in."""
         l1, host, planner = self._tiers[DEVICE], self._host, self._planner
         if l1.used + nbytes <= l1.budget or self._room_sync(
-            DEVICE, nbytes, key, now, prefetch=prefetched, min_age=min_age
+            DEVICE, nbytes, key, now, prefetch=prefetched, rank=rank
         ):
             l1.used += nbytes
             self._l1[key] = PRESENT
-            planner.insert(DEVICE, key, now, nbytes, prefetched=prefetched, expected=min_age)
+            planner.insert(DEVICE, key, now, nbytes, prefetched=prefetched, rank=rank)
             return True
         if host is not None and (
             host.used + nbytes <= host.budget
-            or self._room_sync(HOST, nbytes, key, now, prefetch=prefetched, min_age=min_age)
+            or self._room_sync(HOST, nbytes, key, now, prefetch=prefetched, rank=rank)
         ):
             host.used += nbytes
             host.entries[key] = PRESENT
-            planner.insert(HOST, key, now, nbytes, prefetched=prefetched, expected=min_age)
+            planner.insert(HOST, key, now, nbytes, prefetched=prefetched, rank=rank)
             return True
         return False
 
@@ -559,7 +559,7 @@ class TieredCache:
         now: float,
         *,
         prefetch: bool = False,
-        min_age: float = 0.0,
+        rank: int = 1,
     ) -> bool:
         """`_make_room` and `_evict_one` for `access_sync`: the same decisions, no transfers.
 
@@ -573,10 +573,10 @@ class TieredCache:
         entries, runtime, store_info = tier.entries, self._runtime, self._store_info
         host = self._host if tier_index == DEVICE else None  # victims of L1 go down to L2
         while tier.used + nbytes > tier.budget:
-            victim = planner.victim(tier_index, key, prefetch=prefetch, min_age=min_age)
+            victim = planner.victim(tier_index, key, prefetch=prefetch, rank=rank)
             if victim is None or victim is REFUSED:
                 return False
-            was_unused, seen = planner.remove(tier_index, victim)
+            was_unused = planner.remove(tier_index, victim)
             del entries[victim]
             size = ((runtime.get(victim) if runtime else None) or store_info(victim)).nbytes
             if was_unused:
@@ -586,7 +586,7 @@ class TieredCache:
             ):
                 host.used += size
                 host.entries[victim] = PRESENT
-                planner.insert(HOST, victim, now, size, seen=seen)
+                planner.insert(HOST, victim, now, size)
             tier.used -= size
         return True
 
@@ -744,14 +744,14 @@ class TieredCache:
         return value
 
     def _load_host(
-        self, key: str, nbytes: int, value: Any, *, prefetch: bool = False, min_age: float = 0.0
+        self, key: str, nbytes: int, value: Any, *, prefetch: bool = False, rank: int = 1
     ) -> Any:
         """Reserves room in L2 if the planner admits ``key`` and copies the value to host.
 
         Returns the host value (the caller installs it under the lock) or None if not admitted.
         """
         if len(self._tiers) <= HOST or not self._make_room(
-            HOST, nbytes, key, prefetch=prefetch, min_age=min_age
+            HOST, nbytes, key, prefetch=prefetch, rank=rank
         ):
             return None
         try:
@@ -769,7 +769,7 @@ class TieredCache:
         key: str | None,
         *,
         prefetch: bool = False,
-        min_age: float = 0.0,
+        rank: int = 1,
     ) -> bool:
         """Reserves ``nbytes`` in a tier, evicting (demoting) victims as the planner says.
 
@@ -787,7 +787,7 @@ class TieredCache:
                     return True
                 if planner.tracking:
                     self._drain()  # a buffered hit on an unused prefetch makes it used first
-                victim = planner.victim(tier_index, key, prefetch=prefetch, min_age=min_age)
+                victim = planner.victim(tier_index, key, prefetch=prefetch, rank=rank)
                 if victim is None:
                     if prefetch or not self._inflight:
                         return False
@@ -801,16 +801,16 @@ class TieredCache:
                     continue
                 if victim is REFUSED:
                     return False
-                was_unused, seen = planner.remove(tier_index, victim)
+                was_unused = planner.remove(tier_index, victim)
                 value = tier.pop(victim)
                 if was_unused:
                     self._pf_count("wasted", self.info(victim).nbytes)
                 self._inflight[victim] = _Transit()
                 destination = planner.destination(tier_index, was_unused)
-            self._evict_one(tier_index, victim, value, destination, seen)
+            self._evict_one(tier_index, victim, value, destination)
 
     def _evict_one(
-        self, tier_index: int, key: str, value: Any, destination: int | None, seen: int | None
+        self, tier_index: int, key: str, value: Any, destination: int | None
     ) -> None:
         """Moves one victim down a tier (or out), then releases its room above."""
         nbytes = self.info(key).nbytes
@@ -822,7 +822,7 @@ class TieredCache:
             with self._lock:
                 if host_value is not None:
                     self._tiers[HOST].put_reserved(key, host_value, nbytes)
-                    self._planner.insert(HOST, key, self._clock(), nbytes, seen=seen)
+                    self._planner.insert(HOST, key, self._clock(), nbytes)
                 elif self._is_dirty(key):
                     self._unwritten[key] = value  # written back later; readers are served from it
                 self._tiers[tier_index].release(nbytes)
@@ -931,7 +931,7 @@ class TieredCache:
         self._next_expire = now + self._expire_every
         for tier_index, tier in enumerate(self._tiers):
             for key in self._planner.expired(tier_index, now):
-                if self._planner.remove(tier_index, key)[0]:
+                if self._planner.remove(tier_index, key):
                     self._pf_count("wasted", self.info(key).nbytes)
                 value = tier.pop(key)
                 tier.release(self.info(key).nbytes)
@@ -1071,7 +1071,7 @@ class TieredCache:
             self._drain()
             for tier_index, tier in enumerate(self._tiers):
                 if key in tier.entries:
-                    if self._planner.remove(tier_index, key)[0]:
+                    if self._planner.remove(tier_index, key):
                         self._pf_count("wasted", self.info(key).nbytes)
                     value = tier.pop(key)
                     tier.release(self.info(key).nbytes)
@@ -1306,8 +1306,8 @@ class TieredCache:
             or key in self._unwritten
         )
 
-    def _prefetch_issue(self, key: str, worker: PrefetchWorker, min_age: float) -> str:
-        """Starts one prefetch load (worker thread); ``min_age``: see `Planner.victim`.
+    def _prefetch_issue(self, key: str, worker: PrefetchWorker, rank: int) -> str:
+        """Starts one prefetch load (worker thread); ``rank``: see `Planner.victim`.
 
         Returns ``"issued"``, ``"skip"`` (resident, moving, unknown, or unusable) or ``"full"``
         (the in-flight bytes are at their bound).
@@ -1326,7 +1326,7 @@ class TieredCache:
             if self._pf_inflight + info.nbytes > self._pf_limit:
                 return "full"
             self._inflight[key] = transit = _Transit(prefetch=True)
-            transit.min_age = min_age
+            transit.rank = rank
             self._pf_inflight += info.nbytes
             self._pf_count("issued", info.nbytes)
         try:
@@ -1370,7 +1370,7 @@ class TieredCache:
         value = host_value = None
         try:
             in_l1 = self._make_room(
-                DEVICE, nbytes, key, prefetch=not transit.demanded, min_age=transit.min_age
+                DEVICE, nbytes, key, prefetch=not transit.demanded, rank=transit.rank
             )
             if in_l1 or transit.demanded:
                 try:
@@ -1382,12 +1382,12 @@ class TieredCache:
                     raise
             if not in_l1:
                 host_value = self._load_host(
-                    key, nbytes, raw, prefetch=not transit.demanded, min_age=transit.min_age
+                    key, nbytes, raw, prefetch=not transit.demanded, rank=transit.rank
                 )
             with self._lock:
                 demanded = transit.demanded  # an access may have come meanwhile
                 now = self._clock()
-                guess = {"prefetched": not demanded, "expected": transit.min_age}
+                guess = {"prefetched": not demanded, "rank": transit.rank}
                 if in_l1:
                     self._tiers[DEVICE].put_reserved(key, value, nbytes)
                     self._planner.insert(DEVICE, key, now, nbytes, **guess)
@@ -1554,7 +1554,7 @@ class _ReplayPrefetch:
         self.seen = seen
         self.data = data
         self.index = 0  # the index of the next access
-        self.pending: dict[str, tuple[int, float]] = {}  # key -> (nbytes, min_age), not landed
+        self.pending: dict[str, tuple[int, int]] = {}  # key -> (nbytes, rank), not landed
         self.due: dict[int, list[str]] = {}  # access index -> keys that land just before it
         self.futures: dict[str, Any] = {}  # live: key -> read future
         self.paused = False  # accesses teach the predictor, but nothing is issued
@@ -1568,11 +1568,11 @@ class _ReplayPrefetch:
                 issued = self.pending.pop(k, None)
                 if issued is None:
                     continue  # an access already took it (late)
-                nbytes, min_age = issued
+                nbytes, rank = issued
                 cache._pf_inflight -= nbytes
                 if self.data:
-                    self._land_live(k, min_age)
-                elif not cache._install_sync(k, nbytes, now, prefetched=True, min_age=min_age):
+                    self._land_live(k, rank)
+                elif not cache._install_sync(k, nbytes, now, prefetched=True, rank=rank):
                     cache._pf_count("dropped", nbytes)
         issued = self.pending.pop(key, None)
         if issued is not None:
@@ -1594,25 +1594,27 @@ class _ReplayPrefetch:
         if self.paused:
             return
         land = self.index + self.lead - 1
-        for rank, (k, _) in enumerate(scheduler.candidates()):
+        candidates = scheduler.candidates()
+        cache._planner.ranking = {k: rank + 1 for rank, (k, _) in enumerate(candidates)}
+        for rank, (k, _) in enumerate(candidates):
             if k in self.pending or not cache._pf_fresh(k):
                 continue
             nbytes = cache.info(k).nbytes
             if cache._pf_inflight + nbytes > cache._pf_limit:
                 break
-            self.pending[k] = (nbytes, float(rank + 1))
+            self.pending[k] = (nbytes, rank + 1)
             self.due.setdefault(land, []).append(k)
             cache._pf_inflight += nbytes
             cache._pf_count("issued", nbytes)
             if self.data:
                 self.futures[k] = cache._read(k)
 
-    def _land_live(self, key: str, min_age: float) -> None:
+    def _land_live(self, key: str, rank: int) -> None:
         cache = self.cache
         future = self.futures.pop(key)
         with cache._lock:
             cache._inflight[key] = transit = _Transit(prefetch=True)
-            transit.min_age = min_age
+            transit.rank = rank
             cache._pf_inflight += cache.info(key).nbytes
         future.result(timeout=cache._l3_timeout)  # the read finishes before the next access
         cache._prefetch_install(key, future)

@@ -10,21 +10,16 @@ The decisions:
 
 * ``access(key, now)``: the policy sees the access. A prefetched block seen for the first time
   is *used*: it stops being an unused prefetch (``access`` says so, for the counters).
-* ``victim(tier, newcomer, prefetch=...)``: which resident leaves to make room in ``tier``:
+* ``victim(tier, newcomer, prefetch=..., rank=...)``: which resident leaves to make room:
 
-  1. a stale prefetched block: one not used by the time it was expected to be (see 3), oldest
-     first. A guess that has not paid off leaves before anything the stream asked for; a guess
-     whose time has not come yet is an ordinary resident, counted as accessed at the time it is
-     expected to be used (so other guesses do not push it out before its turn);
+  1. a stale prefetched block: a guess not used by the time it was expected to be (its rank, in
+     accesses, after it landed), oldest first. A guess that has not paid off leaves before
+     anything the stream asked for; a guess whose time has not come is an ordinary resident;
   2. else the policy's victim, if the policy admits the newcomer against it (`Policy.admit`);
-  3. for a prefetch, only if the victim is not worth more than the guess. The policy already
-     chose the least valuable resident; what it cannot know is that the stream is about to use
-     it again. A guess the predictor ranks ``r``-th (its ranking orders by urgency) is expected
-     about ``r`` accesses from now (the caller passes that as ``min_age``); a victim accessed
-     within the last ``r`` accesses is still in use, and by the recency assumption LRU rests on
-     it is expected again no later than the guess. So the guess displaces the victim only if the
-     victim's last access is more than ``r`` accesses ago; otherwise it is refused. (Weak guesses
-     are not issued at all: the scheduler's ``min_score``.)
+  3. for a prefetch, only if the victim is not worth more than the guess. The policy judges the
+     long run, and it chose this block as the least worth keeping; the predictor judges the next
+     few accesses, and if it ranks the victim itself above the guess (it expects the victim back
+     sooner), the victim stays and the guess is refused.
 
   It returns the victim's key, ``None`` when nothing can leave (every byte is in transit), or
   `REFUSED` when the newcomer may not displace the victim (it then goes to a lower tier or is
@@ -33,8 +28,10 @@ The decisions:
   of the cache; an unused prefetched block leaves the cache from any tier (demoting a wrong
   guess would only push a useful block out of L2).
 * ``insert`` / ``remove``: the policy's bookkeeping, plus which blocks are unused prefetches.
+* ``ranking``: the predictor's latest proposals, key -> rank (1 first), set by the scheduler.
 
-Cost: one dict lookup per access on top of the policy's when prefetch is on; none when off.
+Cost: with prefetch off, one attribute test per access on top of the policy's; on, a counter
+increment and a dict lookup per tier.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ from typing import Any
 from cacheflow_jax._policy import Policy, admit_all
 
 DEVICE, HOST = 0, 1
-_NEVER = -(1 << 62)  # the access count of a block never accessed (a prefetch not used yet)
 
 
 class _Refused:
@@ -64,15 +60,15 @@ class Planner:
       policy: the eviction policy.
       num_tiers: the number of tiers (L1, L2).
       has_host: whether L2 holds blocks (budget > 0); L1's victims go there if so.
-      tracking: keep the prefetch bookkeeping (access counts, unused prefetched blocks); off, it
-        costs nothing per access.
+      tracking: keep the prefetch bookkeeping (access count, unused prefetched blocks, the
+        predictor's ranking); off, it costs nothing per access.
 
     Not thread-safe: the cache calls it under its lock (replay from one thread).
     """
 
     __slots__ = (
-        "policy", "state", "admit", "has_host", "tracking", "count", "last_seen",
-        "unused", "_access", "_victim", "_insert", "_remove",
+        "policy", "state", "admit", "has_host", "tracking", "count", "unused", "ranking",
+        "_access", "_victim", "_insert", "_remove",
     )  # fmt: skip
 
     def __init__(
@@ -84,10 +80,10 @@ class Planner:
         self.has_host = has_host
         self.tracking = tracking
         self.count = 0  # accesses seen (prefetch bookkeeping only)
-        self.last_seen: dict[str, int] = {}  # resident key -> the access count at its last access
-        # Per tier, the unused prefetched blocks (key -> the access count at which each is
-        # expected to be used), oldest first.
-        self.unused: list[dict[str, float]] = [{} for _ in range(num_tiers)]
+        # Per tier, the unused prefetched blocks: key -> the access count by which each was
+        # expected to be used, oldest first.
+        self.unused: list[dict[str, int]] = [{} for _ in range(num_tiers)]
+        self.ranking: dict[str, int] = {}  # the predictor's latest proposals: key -> rank
         self._access = policy.access
         self._victim = policy.victim
         self._insert = policy.insert
@@ -99,17 +95,15 @@ class Planner:
         if not self.tracking:
             return False
         self.count += 1
-        if key in self.last_seen:
-            self.last_seen[key] = self.count
         return any(unused and unused.pop(key, None) is not None for unused in self.unused)
 
     def victim(
-        self, tier: int, newcomer: str | None, *, prefetch: bool = False, min_age: float = 0.0
+        self, tier: int, newcomer: str | None, *, prefetch: bool = False, rank: int = 1
     ) -> Any:
         """The resident of ``tier`` to evict for ``newcomer`` (None: an explicit put, admitted).
 
-        For a ``prefetch``, ``min_age`` is the guess's expected distance to its use (its rank):
-        a victim accessed within it is worth more and stays.
+        For a ``prefetch``, ``rank`` is the guess's place in the predictor's proposals (1 first):
+        a victim the predictor ranks above it is worth more and stays.
 
         Returns:
           A key, None (nothing resident can leave), or `REFUSED`.
@@ -126,22 +120,14 @@ class Planner:
             self.state, newcomer, victim
         ):
             return REFUSED
-        if prefetch and self.count - self.last_seen.get(victim, _NEVER) <= min_age:
+        if prefetch and self.ranking.get(victim, rank + 1) < rank:
             return REFUSED
         return victim
 
-    def remove(self, tier: int, key: str) -> tuple[bool, int | None]:
-        """Forgets ``key`` in ``tier``.
-
-        Returns:
-          ``(was_unused, seen)``: whether it was an unused prefetch (wasted), and the access count
-          of its last access, to pass to `insert` when the block is demoted (None when
-          prefetch bookkeeping is off).
-        """
+    def remove(self, tier: int, key: str) -> bool:
+        """Forgets ``key`` in ``tier``; returns True if it was an unused prefetch (wasted)."""
         self._remove(self.state, tier, key)
-        if not self.tracking:
-            return False, None
-        return self.unused[tier].pop(key, None) is not None, self.last_seen.pop(key, None)
+        return self.tracking and self.unused[tier].pop(key, None) is not None
 
     def insert(
         self,
@@ -151,33 +137,22 @@ class Planner:
         nbytes: int,
         *,
         prefetched: bool = False,
-        expected: float = 0.0,
-        seen: int | None = None,
+        rank: int = 1,
     ) -> None:
         """Records ``key`` as resident in ``tier``.
 
-        A prefetched block starts unused, counted as accessed when it is ``expected`` to be
-        (that many accesses from now); a demoted block keeps its last access (``seen``, from
-        `remove`); any other block counts as accessed now.
+        A prefetched block starts unused, expected to be used within ``rank`` accesses (its
+        place in the predictor's proposals); if it is not, it is stale.
         """
         self._insert(self.state, tier, key, now, nbytes)
-        if self.tracking:
-            if prefetched:
-                due = self.count + expected
-                self.last_seen[key] = due  # type: ignore[assignment]
-                self.unused[tier][key] = due
-            else:
-                self.last_seen[key] = self.count if seen is None else seen
+        if prefetched and self.tracking:
+            self.unused[tier][key] = self.count + rank
 
     def destination(self, tier: int, was_unused: bool) -> int | None:
         """Where a victim of ``tier`` goes: L2 (for L1's, when there is one) or None (out)."""
         if tier == DEVICE and self.has_host and not was_unused:
             return HOST
         return None
-
-    def is_unused(self, key: str) -> bool:
-        """True if ``key`` is an unused prefetched block in any tier."""
-        return any(key in unused for unused in self.unused)
 
     def expired(self, tier: int, now: float) -> list[str]:
         """The residents of ``tier`` past the policy's TTL."""

@@ -11,10 +11,10 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
 * Loads are issued in the predictor's order (its score ranks value and urgency together), at
   most ``inflight_bytes`` at a time. They read L3 asynchronously; the worker installs each block
   as it arrives, L3 -> host buffer -> device, through the cache's planner with *prefetch
-  admission* (`cacheflow_jax._planner`): the guess the predictor ranks ``r``-th displaces the
-  policy's victim only if that was not accessed within the last ``r`` accesses (its expected
-  distance to use); otherwise it goes to L2 by the same rule, or is dropped. A guess not used
-  by the time it was expected to be is stale, and stale guesses leave any tier first.
+  admission* (`cacheflow_jax._planner`): a guess displaces the policy's victim unless the
+  predictor ranks the victim itself above the guess (it expects the victim back sooner);
+  otherwise it goes to L2 by the same rule, or is dropped. A guess not used within its rank (in
+  accesses) after it landed is stale, and stale guesses leave any tier first.
 * A demand access that finds its block still loading waits for that load (it is *late*); one
   that finds it resident is a hit (*timely*).
 * When accesses pile up faster than the worker takes them (a tight loop of hits, where there
@@ -219,7 +219,7 @@ class PrefetchWorker:
         self.idle = True
         self._wake = threading.Event()
         self._stop = False
-        self._queue: list[tuple[str, float]] = []
+        self._queue: list[tuple[str, int]] = []
         self.paused = False  # accesses teach the predictor, but nothing is issued
         self.skipped = 0  # feed items dropped because they piled up
         self._thread = threading.Thread(target=self._run, name="cacheflow-prefetch", daemon=True)
@@ -280,14 +280,14 @@ class PrefetchWorker:
                         scheduler.observe(key, now)
                 observed = True
             if observed and not self.paused:
-                # The rest of the old queue went stale. Each guess carries its expected distance
-                # to use, its rank, for the planner's prefetch admission.
-                self._queue = [
-                    (key, float(rank + 1)) for rank, (key, _) in enumerate(scheduler.candidates())
-                ]
+                # The rest of the old queue went stale. Each guess carries its rank, for the
+                # planner's prefetch admission (a victim the predictor ranks higher stays).
+                proposed = scheduler.candidates()
+                cache._planner.ranking = {key: r + 1 for r, (key, _) in enumerate(proposed)}
+                self._queue = [(key, r + 1) for r, (key, _) in enumerate(proposed)]
             while self._queue:
-                key, min_age = self._queue[0]
-                verdict = cache._prefetch_issue(key, self, min_age)
+                key, rank = self._queue[0]
+                verdict = cache._prefetch_issue(key, self, rank)
                 if verdict == "full":
                     break  # in-flight bytes at their bound: try again after an arrival
                 self._queue.pop(0)

@@ -149,22 +149,21 @@ def test_scores_below_the_threshold_are_not_loaded(tmp_path: Path) -> None:
 
 
 def test_prefetch_does_not_displace_a_block_worth_more(tmp_path: Path) -> None:
-    # L1 holds 4 blocks, the oldest last accessed 4 accesses ago. A guess the predictor ranks
-    # fifth (expected about 5 accesses from now) is not worth more than it and may not push it
-    # out: it lands in L2 instead (or nowhere when there is none). Ranked first, it does.
+    # L1 holds 4 blocks; LRU's victim is block 0. A guess may push it out, unless the predictor
+    # itself ranks block 0 above the guess (it expects block 0 back sooner): then the guess goes
+    # to L2 instead (or nowhere when there is none).
     store, _ = _store(tmp_path)
     for host in (0, 8):
-        for rank, displaces in ((5, False), (1, True)):
+        for proposals, displaces in (([_key(0), _key(50)], False), ([_key(50), _key(0)], True)):
             guess = _Proposes([])
             cache = cfj.TieredCache(
                 store, device_bytes=4 * KIB, host_bytes=host * KIB, policy="lru",
-                prefetcher=guess, prefetch=cfj.PrefetchSettings(synchronous=True, k=8),
+                prefetcher=guess, prefetch=cfj.PrefetchSettings(synchronous=True),
                 read_buffer=1,
             )  # fmt: skip
             for i in range(4):
                 cache.get(_key(i))
-            # Resident keys take the first places (they are not loaded, but they rank).
-            guess.keys = [_key(i) for i in range(rank - 1)] + [_key(50)]
+            guess.keys = proposals
             cache.get(_key(3))  # the guess is issued after this access and lands before the next
             cache.get(_key(2))
             l1 = set(cache._tiers[0].entries)
