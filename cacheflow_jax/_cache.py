@@ -22,6 +22,7 @@ Design note.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 import time
@@ -211,6 +212,13 @@ class TieredCache:
             tracking=prefetcher is not None,
         )
         self._pstate = self._planner.state
+        # The planner's `access` (True on a prefetched block's first use); without prefetch, the
+        # policy's own access over its state (it returns None: never a prefetch's use).
+        self._plan_access: Callable[[str, float], Any] = (
+            self._planner.access
+            if self._planner.tracking
+            else functools.partial(self.policy.access, self._planner.state)
+        )
         ttl = self._planner.describe().get("ttl")
         self._has_ttl = ttl is not None
         # TTL checks run at most every ttl/64 seconds: a block leaves within ttl * 65/64.
@@ -500,10 +508,10 @@ class TieredCache:
         # `_account`, inlined: this is replay's per-access path.
         n = self._n
         n["bytes"] += nbytes
-        planner = self._planner
+        planner, plan_access = self._planner, self._plan_access
         if key in self._l1:
             n["device"] += 1
-            if planner.access(key, now):
+            if plan_access(key, now):
                 self._pf_count_use(nbytes, late=False)
             if self._has_ttl and now >= self._next_expire:
                 self._expire(now)
@@ -511,7 +519,7 @@ class TieredCache:
             host = self._host
             if host is not None and key in host.entries:
                 n["host"] += 1
-                if planner.access(key, now):
+                if plan_access(key, now):
                     self._pf_count_use(nbytes, late=False)
                 if self._has_ttl and now >= self._next_expire:
                     self._expire(now)
@@ -522,7 +530,7 @@ class TieredCache:
             else:
                 n["miss"] += 1
                 n["miss_bytes"] += nbytes
-                planner.access(key, now)
+                plan_access(key, now)
                 if self._has_ttl and now >= self._next_expire:
                     self._expire(now)
             self._install_sync(key, nbytes, now, prefetched=False)
@@ -664,7 +672,7 @@ class TieredCache:
             n["miss_bytes"] += nbytes
         elif where == "host":
             n["host_bytes"] += nbytes
-        if self._planner.access(key, now):
+        if self._plan_access(key, now):
             self._pf_count_use(nbytes, late=False)
         if self._has_ttl:
             self._expire(now)
@@ -908,16 +916,28 @@ class TieredCache:
         if not count:
             return
         now = self._clock()
-        access, popleft = self._planner.access, reads.popleft
+        planner, popleft = self._planner, reads.popleft
         size_of = self._tiers[DEVICE].sizes.get
         nbytes = 0
-        for _ in range(count):
-            key = popleft()
-            # The block was in L1 when hit; if it left since, look its size up in the store.
-            size = size_of(key) or self.info(key).nbytes
-            nbytes += size
-            if access(key, now):
-                self._pf_count_use(size, late=False)
+        if planner.unused_blocks:
+            # Some prefetched blocks wait for their first use: the planner checks each hit.
+            access = planner.access
+            for _ in range(count):
+                key = popleft()
+                # The block was in L1 when hit; if it left since, look its size up in the store.
+                size = size_of(key) or self.info(key).nbytes
+                nbytes += size
+                if access(key, now):
+                    self._pf_count_use(size, late=False)
+        else:
+            # `Planner.access` without a guess to look for: the policy's access, and the count.
+            policy_access, state = self.policy.access, planner.state
+            for _ in range(count):
+                key = popleft()
+                nbytes += size_of(key) or self.info(key).nbytes
+                policy_access(state, key, now)
+            if planner.tracking:
+                planner.count += count
         n = self._n
         n["device"] += count
         n["bytes"] += nbytes

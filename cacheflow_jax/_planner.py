@@ -67,7 +67,8 @@ class Planner:
     """
 
     __slots__ = (
-        "policy", "state", "admit", "has_host", "tracking", "count", "unused", "ranking",
+        "policy", "state", "admit", "has_host", "tracking", "count", "unused", "unused_blocks",
+        "ranking",
         "_access", "_victim", "_insert", "_remove",
     )  # fmt: skip
 
@@ -83,6 +84,7 @@ class Planner:
         # Per tier, the unused prefetched blocks: key -> the access count by which each was
         # expected to be used, oldest first.
         self.unused: list[dict[str, int]] = [{} for _ in range(num_tiers)]
+        self.unused_blocks = 0  # their number, over all tiers
         self.ranking: dict[str, int] = {}  # the predictor's latest proposals: key -> rank
         self._access = policy.access
         self._victim = policy.victim
@@ -95,7 +97,13 @@ class Planner:
         if not self.tracking:
             return False
         self.count += 1
-        return any(unused and unused.pop(key, None) is not None for unused in self.unused)
+        if self.unused_blocks:  # the usual case on a hit: no guess waits to be used
+            for unused in self.unused:
+                if key in unused:
+                    del unused[key]
+                    self.unused_blocks -= 1
+                    return True
+        return False
 
     def victim(
         self, tier: int, newcomer: str | None, *, prefetch: bool = False, rank: int = 1
@@ -127,7 +135,10 @@ class Planner:
     def remove(self, tier: int, key: str) -> bool:
         """Forgets ``key`` in ``tier``; returns True if it was an unused prefetch (wasted)."""
         self._remove(self.state, tier, key)
-        return self.tracking and self.unused[tier].pop(key, None) is not None
+        if self.unused_blocks and self.unused[tier].pop(key, None) is not None:
+            self.unused_blocks -= 1
+            return True
+        return False
 
     def insert(
         self,
@@ -146,7 +157,10 @@ class Planner:
         """
         self._insert(self.state, tier, key, now, nbytes)
         if prefetched and self.tracking:
-            self.unused[tier][key] = self.count + rank
+            unused = self.unused[tier]
+            if key not in unused:
+                self.unused_blocks += 1
+            unused[key] = self.count + rank
 
     def destination(self, tier: int, was_unused: bool) -> int | None:
         """Where a victim of ``tier`` goes: L2 (for L1's, when there is one) or None (out)."""
