@@ -288,8 +288,9 @@ def build_examples(
             nxt = keys[i + 1] if i + 1 < end else None
             if ex.keys is not None:
                 ex.keys.append(cands)
-            ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
-            ex.mask[row, : len(cands)] = 1.0
+            if cands:  # none at a stream's first access when its key has no 1-d index
+                ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
+                ex.mask[row, : len(cands)] = 1.0
     return out
 
 
