@@ -20,11 +20,15 @@ The decisions:
   3. for a prefetch, only if the victim is not worth more than the guess. The policy already
      chose the least valuable resident; what it cannot know is that the stream is about to use
      it again. A guess the predictor ranks ``r``-th (its ranking orders by urgency) is expected
-     about ``r`` accesses from now (the caller passes that as ``min_age``); a victim accessed
-     within the last ``r`` accesses is still in use, and by the recency assumption LRU rests on
-     it is expected again no later than the guess. So the guess displaces the victim only if the
-     victim's last access is more than ``r`` accesses ago; otherwise it is refused. (Weak guesses
-     are not issued at all: the scheduler's ``min_score``.)
+     about ``r`` accesses from now (the caller passes that as ``min_age``). When the victim was
+     accessed at least twice, the accesses between its last two (its reuse gap, remembered
+     across tiers) say when it is due again: the guess is refused if that falls within the next
+     ``r`` accesses, and displaces it otherwise (a victim overdue, or due after the guess). So
+     in a loop of accesses, such as a model's layers step after step, the block just used is
+     due a whole loop later and makes room for the next one's. Without a gap, the recency
+     assumption LRU rests on applies: a victim accessed within the last ``r`` accesses is still
+     in use and is expected again no later than the guess, so it is refused. (Weak guesses are
+     not issued at all: the scheduler's ``min_score``.)
 
   It returns the victim's key, ``None`` when nothing can leave (every byte is in transit), or
   `REFUSED` when the newcomer may not displace the victim (it then goes to a lower tier or is
@@ -34,17 +38,20 @@ The decisions:
   guess would only push a useful block out of L2).
 * ``insert`` / ``remove``: the policy's bookkeeping, plus which blocks are unused prefetches.
 
-Cost: one dict lookup per access on top of the policy's when prefetch is on; none when off.
+Cost: a few dict operations per access on top of the policy's when prefetch is on (the reuse
+gaps are kept for at most `GAP_KEYS` keys, the oldest dropped first); none when off.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from cacheflow_jax._policy import Policy, admit_all
 
 DEVICE, HOST = 0, 1
 _NEVER = -(1 << 62)  # the access count of a block never accessed (a prefetch not used yet)
+GAP_KEYS = 1 << 16  # keys whose reuse gap is remembered, at most
 
 
 class _Refused:
@@ -72,7 +79,7 @@ class Planner:
 
     __slots__ = (
         "policy", "state", "admit", "has_host", "tracking", "count", "last_seen",
-        "unused", "_access", "_victim", "_insert", "_remove",
+        "unused", "last_access", "gap", "_access", "_victim", "_insert", "_remove",
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +95,10 @@ class Planner:
         # Per tier, the unused prefetched blocks (key -> the access count at which each is
         # expected to be used), oldest first.
         self.unused: list[dict[str, float]] = [{} for _ in range(num_tiers)]
+        # Any key (resident or not, bounded by GAP_KEYS): the access count of its last access,
+        # and the accesses between its last two.
+        self.last_access: dict[str, int] = {}
+        self.gap: dict[str, int] = {}
         self._access = policy.access
         self._victim = policy.victim
         self._insert = policy.insert
@@ -98,9 +109,18 @@ class Planner:
         self._access(self.state, key, now)
         if not self.tracking:
             return False
-        self.count += 1
+        count = self.count = self.count + 1
         if key in self.last_seen:
-            self.last_seen[key] = self.count
+            self.last_seen[key] = count
+        last_access = self.last_access
+        before = last_access.pop(key, None)
+        last_access[key] = count
+        if before is not None:
+            self.gap[key] = count - before
+        elif len(last_access) > GAP_KEYS:
+            for old in list(itertools.islice(last_access, GAP_KEYS // 4)):
+                del last_access[old]
+                self.gap.pop(old, None)
         return any(unused and unused.pop(key, None) is not None for unused in self.unused)
 
     def victim(
@@ -126,8 +146,11 @@ class Planner:
             self.state, newcomer, victim
         ):
             return REFUSED
-        if prefetch and self.count - self.last_seen.get(victim, _NEVER) <= min_age:
-            return REFUSED
+        if prefetch:
+            age = self.count - self.last_seen.get(victim, _NEVER)
+            gap = self.gap.get(victim)
+            if (age <= min_age) if gap is None else (0 <= gap - age <= min_age):
+                return REFUSED
         return victim
 
     def remove(self, tier: int, key: str) -> tuple[bool, int | None]:
