@@ -1300,18 +1300,22 @@ class TieredCache:
         (the in-flight bytes are at their bound) or ``"promote"`` (in L2, ``promote=False``).
         """
         with self._lock:
-            host = self._host
-            in_host = (
-                self._pf_promote
-                and host is not None
-                and key in host.entries
-                and key not in self._inflight
-            )
-            if in_host and not promote:
-                return "promote"
-            nbytes = host.sizes.get(key, 0) if in_host else 0
+            if not self._pf_fresh(key):
+                host = self._host
+                if not (
+                    self._pf_promote
+                    and host is not None
+                    and key in host.entries
+                    and key not in self._inflight
+                ):
+                    return "skip"
+                if not promote:
+                    return "promote"
+                in_host = host.sizes.get(key) or self.info(key).nbytes
+            else:
+                in_host = 0
         if in_host:
-            return self._prefetch_promote(key, nbytes or self.info(key).nbytes, min_age)
+            return self._prefetch_promote(key, in_host, min_age)
         with self._lock:
             if not self._pf_fresh(key):
                 return "skip"

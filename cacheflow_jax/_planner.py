@@ -38,8 +38,8 @@ The decisions:
   guess would only push a useful block out of L2).
 * ``insert`` / ``remove``: the policy's bookkeeping, plus which blocks are unused prefetches.
 
-Cost: a few dict operations per access on top of the policy's when prefetch is on (the reuse
-gaps are kept for at most `GAP_KEYS` keys, the oldest dropped first); none when off.
+Cost: two dict lookups and two stores per access on top of the policy's when prefetch is on
+(the reuse gaps of at most `GAP_KEYS` keys are kept, the oldest dropped first); none when off.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ from cacheflow_jax._policy import Policy, admit_all
 DEVICE, HOST = 0, 1
 _NEVER = -(1 << 62)  # the access count of a block never accessed (a prefetch not used yet)
 GAP_KEYS = 1 << 16  # keys whose reuse gap is remembered, at most
+
+
+def _trim(table: dict) -> None:
+    """Drops the oldest quarter of ``table``'s entries."""
+    for key in list(itertools.islice(table, len(table) // 4)):
+        del table[key]
 
 
 class _Refused:
@@ -79,7 +85,7 @@ class Planner:
 
     __slots__ = (
         "policy", "state", "admit", "has_host", "tracking", "count", "last_seen",
-        "unused", "last_access", "gap", "_access", "_victim", "_insert", "_remove",
+        "unused", "left", "gap", "_access", "_victim", "_insert", "_remove",
     )  # fmt: skip
 
     def __init__(
@@ -95,9 +101,10 @@ class Planner:
         # Per tier, the unused prefetched blocks (key -> the access count at which each is
         # expected to be used), oldest first.
         self.unused: list[dict[str, float]] = [{} for _ in range(num_tiers)]
-        # Any key (resident or not, bounded by GAP_KEYS): the access count of its last access,
-        # and the accesses between its last two.
-        self.last_access: dict[str, int] = {}
+        # Keys that left a tier (to another, or out): the access count of their last access, so
+        # that the next access knows their reuse gap. And any key's reuse gap: the accesses
+        # between its last two. Both bounded by GAP_KEYS (trimmed on the miss path).
+        self.left: dict[str, int] = {}
         self.gap: dict[str, int] = {}
         self._access = policy.access
         self._victim = policy.victim
@@ -110,18 +117,16 @@ class Planner:
         if not self.tracking:
             return False
         count = self.count = self.count + 1
-        if key in self.last_seen:
-            self.last_seen[key] = count
-        last_access = self.last_access
-        before = last_access.pop(key, None)
-        last_access[key] = count
-        if before is not None:
-            self.gap[key] = count - before
-        elif len(last_access) > GAP_KEYS:
-            for old in list(itertools.islice(last_access, GAP_KEYS // 4)):
-                del last_access[old]
-                self.gap.pop(old, None)
-        return any(unused and unused.pop(key, None) is not None for unused in self.unused)
+        first_use = any(unused and unused.pop(key, None) is not None for unused in self.unused)
+        last_seen = self.last_seen
+        seen = last_seen.get(key)
+        if seen is not None:
+            last_seen[key] = count
+        elif self.left:
+            seen = self.left.pop(key, None)
+        if seen is not None and not first_use:  # a first use's `seen` is when it was expected
+            self.gap[key] = count - seen
+        return first_use
 
     def victim(
         self, tier: int, newcomer: str | None, *, prefetch: bool = False, min_age: float = 0.0
@@ -164,7 +169,16 @@ class Planner:
         self._remove(self.state, tier, key)
         if not self.tracking:
             return False, None
-        return self.unused[tier].pop(key, None) is not None, self.last_seen.pop(key, None)
+        was_unused = self.unused[tier].pop(key, None) is not None
+        seen = self.last_seen.pop(key, None)
+        if seen is not None and not was_unused:
+            left = self.left
+            left[key] = seen
+            if len(left) > GAP_KEYS:
+                _trim(left)
+            if len(self.gap) > GAP_KEYS:
+                _trim(self.gap)
+        return was_unused, seen
 
     def insert(
         self,
@@ -185,6 +199,8 @@ class Planner:
         """
         self._insert(self.state, tier, key, now, nbytes)
         if self.tracking:
+            if seen is not None:
+                self.left.pop(key, None)  # a demotion: `seen` is still its last access
             if prefetched:
                 due = self.count + expected
                 self.last_seen[key] = due  # type: ignore[assignment]

@@ -96,10 +96,18 @@ def test_reuse_gaps_survive_tier_moves_and_stay_bounded(monkeypatch: pytest.Monk
     planner.access("b", 2.0)
     planner.access("a", 3.0)
     assert planner.gap["a"] == 2
+    _, seen = planner.remove(1, "a")  # it leaves the cache; its gap is known when it returns
+    planner.access("b", 4.0)
+    planner.access("a", 5.0)
+    assert planner.gap["a"] == 2
     monkeypatch.setattr("cacheflow_jax._planner.GAP_KEYS", 16)
-    for i in range(100):
-        planner.access(f"k{i}", 4.0 + i)
-    assert len(planner.last_access) <= 17 and len(planner.gap) <= 17
+    for i in range(100):  # keys accessed twice, then dropped
+        key = f"k{i}"
+        planner.access(key, 6.0 + i)
+        planner.insert(1, key, 6.0 + i, KIB)
+        planner.access(key, 6.0 + i)
+        planner.remove(1, key)
+    assert len(planner.left) <= 17 and len(planner.gap) <= 17
 
 
 def _wait_for(cond, timeout: float = 5.0) -> None:
