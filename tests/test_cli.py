@@ -130,9 +130,9 @@ def test_demo_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         shares = row["l1_hit_ratio"] + row["host_hit_ratio"] + row["l3_share"]
         assert shares == pytest.approx(1.0, abs=1e-3)
     assert not by["cacheflow"]["prefetch"]["enabled"]
-    for name in ("cacheflow+markov", "cacheflow+mlp"):  # both predictors ran, layer by layer
+    for name in ("cacheflow+markov", "cacheflow+mlp"):  # both predictors ran (<= once a layer)
         pf = by[name]["prefetch"]
-        assert pf["enabled"] and pf["predictions"] >= 12 * 2
+        assert pf["enabled"] and 1 <= pf["predictions"] <= (12 + 2) * 2
     assert "built" in err and "training the MLP predictor" in err and "trained in" in err
     assert f"latency CDF saved to {plot}" in err and plot.stat().st_size > 0
     records = [json.loads(line) for line in log.read_text().splitlines()]

@@ -28,9 +28,9 @@ def test_demo_serves_the_mlp_row_with_the_given_checkpoint(
     rows = json.loads(out)
     assert [r["name"] for r in rows] == DEMO_ROWS
     pf = {r["name"]: r for r in rows}["cacheflow+mlp"]["prefetch"]
-    # The worker asked the MLP once per layer (each get_many), warm-up steps included.
+    # The worker asked the MLP after each round of get_many batches (at most one per layer).
     assert pf["enabled"] and pf["disabled_reason"] is None
-    assert pf["predictions"] >= 8 * 2 and pf["predict_us"] > 0
+    assert 1 <= pf["predictions"] <= (8 + 2) * 2 and pf["predict_us"] > 0
 
 
 def test_demo_missing_predictor_exits_2_naming_it(
