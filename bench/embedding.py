@@ -21,10 +21,10 @@ unmeasured lookups (promotions settle, jit compiles), each lookup's latency is m
 rows being ready. Per run: mean and p95 lookup latency per variant, and the ratio
 arrays / slab of the means (> 1: the slab is faster).
 
-Part 2, the demo (``cacheflow demo``'s model and request stream, ``--demo-requests`` steps after
-5 warm-up steps): each run serves the stream through ``serving(cache)`` once with each layout, in
-a shuffled order, each after dropping the checkpoint's page cache, and reports the step p95 of
-each and their ratio slab / arrays (< 1: the slab is faster).
+Part 2, the demo (``cacheflow demo``'s model and text, ``--demo-requests`` steps after 5 warm-up
+steps, its default budgets, no prefetch): each run serves the steps through ``serving(cache)``
+once with each layout, in a shuffled order, each after dropping the checkpoint's page cache, and
+reports the step p95 of each and their ratio slab / arrays (< 1: the slab is faster).
 
 Ratios are per run; the report gives their median and p95 over ``--runs``. On a CPU backend the
 "device" is host memory: the numbers say what the layouts cost in dispatch and copies here, not
@@ -171,29 +171,28 @@ def embedding_part(args, report: Report) -> None:
 def demo_part(args, report: Report) -> None:
     from cacheflow_jax._demo import (
         DemoSettings,
-        _plan,
-        _run_pass,
         default_workdir,
+        demo_text,
         drop_page_cache,
+        open_model,
         prepare_checkpoint,
-        request_stream,
+        serve_pass,
+        text_steps,
     )
     from cacheflow_jax._store import open_store
-    from cacheflow_jax.orbax import restore_lazy
 
     settings = DemoSettings(requests=args.demo_requests, progress=False)
     config = settings.model_config()
     step_dir, _ = prepare_checkpoint(config, default_workdir(), seed=settings.seed)
+    model = open_model(step_dir, config)
     steps = settings.warmup + settings.requests
-    routes = request_stream(
-        config, steps, top_k=settings.top_k, zipf=settings.zipf, seed=settings.seed
+    text = demo_text()
+    tokens = text_steps(
+        text, start=len(text) // 2, end=len(text), steps=steps, tokens=settings.tokens
     )
-    inputs_rng = np.random.default_rng([settings.seed, 2])
-    inputs = [
-        jax.device_put(inputs_rng.standard_normal((settings.tokens, config.d_model), np.float32))
-        for _ in range(steps)
-    ]
-    device_bytes, host_bytes = config.weight_bytes // 6, config.weight_bytes // 3
+    inputs = [jax.device_put(t) for t in tokens]
+    expert_total = config.layers * config.experts * config.expert_bytes
+    device_bytes, host_bytes = expert_total // 6, expert_total // 2
     p95 = {layout: [] for layout in LAYOUTS}
     hits: dict[str, Any] = {}
     ratio = []
@@ -207,20 +206,14 @@ def demo_part(args, report: Report) -> None:
                 device_bytes=device_bytes,
                 host_bytes=host_bytes,
                 device_layout=layout,
+                block_bytes=model.largest,
             )
-            plan = _plan(restore_lazy(step_dir, cache=cache), routes, settings.top_k)
             drop_page_cache(step_dir)
             with serving(cache) as session:
-                lat, _ = _run_pass(
-                    plan,
-                    inputs,
-                    session.get_many,
-                    warmup=settings.warmup,
-                    top_k=settings.top_k,
-                    on_measure=lambda: None,
-                    tick=lambda: None,
+                result = serve_pass(
+                    model, inputs, session.get_many, warmup=settings.warmup, top_k=settings.top_k
                 )
-            this[layout] = _p95(lat)
+            this[layout] = _p95(result.latencies)
             stats = cache.stats()
             hits[layout] = stats["hits"]["device"] / max(stats["requests"], 1)
         if run >= args.warmup:

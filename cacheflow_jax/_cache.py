@@ -265,6 +265,7 @@ class TieredCache:
         self._pf_replay: _ReplayPrefetch | None = None
         self._pf_inflight = 0  # bytes of prefetch loads issued and not installed
         self._pf_limit = 0
+        self._pf_promote = False  # the live worker moves L2 guesses up to L1
         if prefetcher is not None:
             self._setup_prefetch(prefetcher, settings, largest)
 
@@ -1206,6 +1207,7 @@ class TieredCache:
                 self.get = self._get_synchronous  # type: ignore[method-assign]
                 self.get_many = self._get_many_synchronous  # type: ignore[method-assign]
         else:
+            self._pf_promote = settings.promote
             self.start_prefetch()
 
     def start_prefetch(self) -> None:
@@ -1326,12 +1328,34 @@ class TieredCache:
             or key in self._unwritten
         )
 
-    def _prefetch_issue(self, key: str, worker: PrefetchWorker, rank: int) -> str:
+    def _prefetch_issue(
+        self, key: str, worker: PrefetchWorker, rank: int, *, promote: bool = True
+    ) -> str:
         """Starts one prefetch load (worker thread); ``rank``: see `Planner.victim`.
 
-        Returns ``"issued"``, ``"skip"`` (resident, moving, unknown, or unusable) or ``"full"``
-        (the in-flight bytes are at their bound).
+        A key resident in L2 is promoted to L1 instead (`_prefetch_promote`), when the settings
+        allow it; with ``promote=False`` it is left for the caller to promote later.
+
+        Returns ``"issued"``, ``"skip"`` (resident, moving, unknown, or unusable), ``"full"``
+        (the in-flight bytes are at their bound) or ``"promote"`` (in L2, ``promote=False``).
         """
+        with self._lock:
+            if not self._pf_fresh(key):
+                host = self._host
+                if not (
+                    self._pf_promote
+                    and host is not None
+                    and key in host.entries
+                    and key not in self._inflight
+                ):
+                    return "skip"
+                if not promote:
+                    return "promote"
+                in_host = host.sizes.get(key) or self.info(key).nbytes
+            else:
+                in_host = 0
+        if in_host:
+            return self._prefetch_promote(key, in_host, rank)
         with self._lock:
             if not self._pf_fresh(key):
                 return "skip"
@@ -1355,6 +1379,49 @@ class TieredCache:
             self._prefetch_fail(key, info.nbytes, None)
             return "skip"
         future.add_done_callback(lambda f: worker.arrive(key, f))
+        return "issued"
+
+    def _prefetch_promote(self, key: str, nbytes: int, rank: int) -> str:
+        """Moves an L2 block the predictor expects soon up to L1 (worker thread).
+
+        The layer-ahead step of MoE offloading: the host copy goes to the device before the
+        access. L1 takes it only with prefetch admission (`Planner.victim`); refused, it stays in
+        L2 and nothing moves. It keeps its policy state and last access, as a demotion does, so a
+        promotion that is not used is demoted again in its turn instead of leaving the cache.
+        Counted in ``promoted`` (not in ``issued``: no L3 read).
+
+        Returns:
+          ``"issued"`` if it moved, else ``"skip"``.
+        """
+        if not self._make_room(DEVICE, nbytes, key, prefetch=True, rank=rank):
+            return "skip"
+        with self._lock:
+            host = self._host
+            if host is None or key not in host.entries or key in self._inflight or key in self._l1:
+                self._tiers[DEVICE].release(nbytes)  # it moved meanwhile
+                self._notify_room()
+                return "skip"
+            self._planner.remove(HOST, key)
+            raw = host.pop(key)
+            host.release(nbytes)
+            self._inflight[key] = transit = _Transit()
+            self._notify_room()
+        value = None
+        try:
+            value = self._tiers[DEVICE].load(raw)
+        finally:
+            with self._lock:
+                if value is not None:
+                    self._tiers[DEVICE].put_reserved(key, value, nbytes)
+                    self._planner.insert(DEVICE, key, self._clock(), nbytes)
+                    self._pf_count("promoted", nbytes)
+                else:  # the copy failed: L1's room goes back; the block is read again when asked
+                    self._tiers[DEVICE].release(nbytes)
+                    if self._is_dirty(key):
+                        self._unwritten[key] = raw  # never lose a runtime block
+                del self._inflight[key]
+                self._notify_room()
+            transit.finish()  # an access that waited looks again and finds it in L1
         return "issued"
 
     def _prefetch_fail(self, key: str, nbytes: int, error: BaseException | None) -> None:

@@ -1,42 +1,49 @@
-"""``cacheflow demo``: serve a mixture-of-experts model whose weights do not fit on the device.
+"""``cacheflow demo``: serve a byte-level MoE on real text, with its experts behind the cache.
 
 What it does, in order:
 
-1. Builds a Flax NNX MoE stack (`cacheflow_jax._demo_model`) once and saves it with an orbax
-   ``CheckpointManager`` under the work directory; later runs reuse it while its ``demo.json``
-   matches the requested size and the checkpoint opens.
-2. Draws one request stream: per step and layer, ``top_k`` experts from a Zipf distribution
-   (a different expert ranking per layer), from ``seed``.
-3. Serves that stream three times, each after a few unmeasured warm-up steps (jit compilation)
-   and after dropping the page cache of the checkpoint's files (``POSIX_FADV_DONTNEED``), so the
-   first L3 read of each chunk is really cold:
+1. Builds a Flax NNX MoE stack with a byte embedding (`cacheflow_jax._demo_model`) once and saves
+   it with an orbax ``CheckpointManager`` under the work directory; later runs reuse it while its
+   ``demo.json`` matches the requested size and the checkpoint opens.
+2. Reads text that ships with Python (`pydoc_data.topics`, the help topics, about 460 KB) as
+   bytes. A step is ``tokens`` consecutive bytes pushed through every layer; each layer's router
+   picks the step's ``top_k`` experts from that layer's input, so the experts come from the model
+   and the text, with the text's locality, and layer ``l + 1``'s are known only once layer ``l``
+   has run. The first half of the text is the warm-up's, the second half is served.
+3. Warm-up: serves ``record`` steps of the first half through a cache without prefetch and
+   records their access log. Unless ``predictor`` names a checkpoint, trains the MLP predictor
+   on that log (``python -m training.main``, a subprocess: the library never imports
+   ``training/``), with small settings (`TRAIN_ARGS`).
+4. Serves ``warmup + requests`` steps of the second half five times, each after dropping the
+   page cache of the checkpoint's files (``POSIX_FADV_DONTNEED``), so the first L3 read of each
+   chunk is really cold; the first ``warmup`` steps (jit compilation) are not measured:
 
-   * ``baseline``: each step reads the routed experts' chunks from TensorStore (``read_many``)
-     and ``device_put``\\ s them; nothing is kept between steps;
-   * ``cacheflow``: the blocks come from ``cfj.serving(cache)`` over ``restore_lazy(step_dir)``,
-     one ``get_many`` per layer;
-   * ``all-resident``: every weight is put on the device once up front (the limit).
+   * ``baseline``: each layer reads its routed experts' chunks from TensorStore
+     (``read_many``) and ``device_put``\\ s them; nothing is kept between steps;
+   * ``cacheflow``: the experts come from ``cfj.serving(cache)``, one ``get_many`` per layer;
+   * ``cacheflow+markov`` and ``cacheflow+mlp``: the same, with ``TieredCache(prefetcher=...)``:
+     the cache's prefetch worker is fed each layer's ``get_many`` and, while the layer computes,
+     loads the blocks the predictor expects next (layer-ahead, as MoE offloading systems such as
+     ProMoE and MoE-Infinity do). Both predictors first observe the warm-up's accesses, so each
+     starts serving with the same history; the cache's clock continues the log's;
+   * ``all-resident``: every expert is put on the device once up front (the limit).
 
-4. With ``predictor=`` (``cacheflow demo --predictor DIR``), after the three passes, replays the
-   cacheflow pass's accesses (the same keys in the same order, warm-up steps included) through the
-   loaded predictor: it ``observe``\\ s each access and calls ``predict(k)`` once per step, after
-   the step's last access, with ``k`` = the blocks of one layer step (what a prefetcher would
-   fetch ahead for the next layer). `PREDICT_WARMUP` calls before the replay and the calls of
-   the warm-up steps are not timed; the median of the measured steps' calls (``predict_us``) is
-   compared with the cacheflow pass's median step time from the same run. The replay runs
-   outside the timed passes, so it does not change their numbers.
+   The dense weights (embedding, norms, routers) are on the device in every pass.
 
-Each step runs the same jitted layer function on the same inputs in every pass, so the passes'
-outputs must agree bitwise; the demo checks that. Latencies are per step (all layers, up to the
-output being ready). Times on a CPU are for comparing the passes of one run, not absolute claims.
+Each step runs the same jitted functions on the same inputs in every pass, so the passes' outputs
+and routes must agree bitwise; the demo checks that. Latencies are per step (all layers, up to
+the output being ready). Times on a CPU are for comparing the passes of one run, not absolute
+claims; on a CPU "device" memory is host memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,22 +53,36 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from cacheflow_jax._demo_model import MoEConfig, build, moe_layer
+from cacheflow_jax._demo_model import MoEConfig, build, embed, experts_layer, route
+from cacheflow_jax._prefetch import PrefetchSettings
 from cacheflow_jax._serving import serving
 from cacheflow_jax._store import open_store
 from cacheflow_jax.orbax import LazyArray, restore_lazy
 
-if TYPE_CHECKING:  # the library imports `predictor` only when the demo is given one
+if TYPE_CHECKING:  # the library imports `predictor` only through the Predictor protocol
     import predictor
 
 MiB = 2**20
-DEMO_FORMAT = 1
-COLUMNS = ("name", "l1_hit_ratio", "host_hit_ratio", "p50_ms", "p95_ms", "p95_ratio_to_baseline")
-PREDICT_WARMUP = 5  # untimed predict calls before the replay: jit compilation, first features
+DEMO_FORMAT = 2
+ROWS = ("baseline", "cacheflow", "cacheflow+markov", "cacheflow+mlp", "all-resident")
+COLUMNS = (
+    ("name", "name"),
+    ("l1_hit_ratio", "L1 hit"),
+    ("l3_share", "to L3"),
+    ("prefetch_accuracy", "pf acc"),
+    ("prefetch_coverage", "pf cov"),
+    ("p50_ms", "p50 ms"),
+    ("p95_ms", "p95 ms"),
+    ("p95_ratio_to_baseline", "p95/base"),
+    ("p95_ratio_to_resident", "p95/resident"),
+)
+# `python -m training.main` settings for the MLP trained on the warm-up log: a window of two
+# layers' experts (what the layer-ahead prefetcher needs); about 10 s on 2 cores.
+TRAIN_ARGS = ("--epochs", "12", "--history", "4", "--lookahead", "4", "--eval-fraction", "0.2")
 
 
 class DemoError(ValueError):
-    """The demo's settings are invalid; the message says which and why."""
+    """The demo's settings are invalid, or a step of it failed; the message says which and why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,40 +90,45 @@ class DemoSettings:
     """Everything ``cacheflow demo`` can be told.
 
     Attributes:
-      workdir: where the model checkpoint lives (default: `default_workdir`).
+      workdir: where the model checkpoint and the run's files live (default: `default_workdir`).
       requests: measured steps per pass.
       warmup: unmeasured steps before each pass (jit compilation, first reads).
-      seed: seeds the model weights and the request stream.
+      record: warm-up steps whose access log trains the MLP and primes the predictors.
+      seed: seeds the model weights.
       layers: MoE layers.
       experts: experts per layer.
       expert_mb: MiB per expert (both matrices); sets the expert hidden width.
       d_model: width of the residual stream.
       top_k: experts per layer per step.
-      tokens: tokens per step.
-      zipf: the Zipf exponent of expert popularity.
-      device_bytes: L1 budget (default: a sixth of the weights).
-      host_bytes: L2 budget (default: a third of the weights).
-      access_log: where to write the cacheflow pass's access log, if anywhere.
-      predictor: a predictor checkpoint (``cacheflow train ... --out OUT`` writes
-        ``OUT/checkpoint``) to time against the cacheflow pass's steps, if any.
+      tokens: bytes of text per step.
+      device_bytes: L1 budget (default: a sixth of the experts' bytes).
+      host_bytes: L2 budget (default: half of the experts' bytes).
+      access_log: where to write the ``cacheflow`` pass's access log, if anywhere.
+      predictor: an MLP predictor checkpoint (``cacheflow train ... --out OUT`` writes
+        ``OUT/checkpoint``) to serve ``cacheflow+mlp`` with instead of training one.
+      plot: where to save the latency CDF (default: ``latency_cdf.png`` in the run directory).
+      prefetch_k: keys asked of each predictor per prediction (default: twice ``top_k``, the
+        next layer's experts and as many hedges).
       progress: show a progress bar on stderr.
     """
 
     workdir: Path | None = None
     requests: int = 200
     warmup: int = 5
+    record: int = 300
     seed: int = 0
     layers: int = 8
     experts: int = 8
     expert_mb: float = 2.0
     d_model: int = 512
     top_k: int = 2
-    tokens: int = 8
-    zipf: float = 1.1
+    tokens: int = 64
     device_bytes: int | None = None
     host_bytes: int | None = None
     access_log: Path | None = None
     predictor: Path | None = None
+    plot: Path | None = None
+    prefetch_k: int | None = None
     progress: bool = True
 
     def model_config(self) -> MoEConfig:
@@ -111,7 +137,7 @@ class DemoSettings:
         Raises:
           DemoError: a size is out of range.
         """
-        for name in ("requests", "layers", "experts", "d_model", "top_k", "tokens"):
+        for name in ("requests", "record", "layers", "experts", "d_model", "top_k", "tokens"):
             if getattr(self, name) < 1:
                 raise DemoError(
                     f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
@@ -120,10 +146,10 @@ class DemoSettings:
             raise DemoError(f"--warmup must be >= 0, got {self.warmup}")
         if self.top_k > self.experts:
             raise DemoError(f"--top-k {self.top_k} is more than --experts {self.experts}")
+        if self.prefetch_k is not None and self.prefetch_k < 1:
+            raise DemoError(f"--prefetch-k must be at least 1, got {self.prefetch_k}")
         if not self.expert_mb > 0:
             raise DemoError(f"--expert-mb must be > 0, got {self.expert_mb}")
-        if not self.zipf >= 0:
-            raise DemoError(f"--zipf must be >= 0, got {self.zipf}")
         d_ff = round(self.expert_mb * MiB / (2 * self.d_model * 4))
         if d_ff < 1:
             raise DemoError(
@@ -191,7 +217,7 @@ def _valid(manifest: Path, want: dict, step_dir: Path, config: MoEConfig) -> boo
         store = open_store(step_dir)
     except (OSError, ValueError):
         return False
-    return len(store.arrays()) == config.layers * (2 + 2 * config.experts)
+    return len(store.arrays()) == 1 + config.layers * (2 + config.experts)
 
 
 def drop_page_cache(root: Path) -> None:
@@ -207,87 +233,228 @@ def drop_page_cache(root: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The request stream
+# The text
 
 
-def request_stream(
-    config: MoEConfig, steps: int, *, top_k: int, zipf: float, seed: int
-) -> np.ndarray:
-    """Draws the routed experts: ``(steps, layers, top_k)`` int32, distinct within a layer.
+def demo_text() -> bytes:
+    """The text the demo serves: Python's help topics (`pydoc_data.topics`) as UTF-8 bytes."""
+    from pydoc_data.topics import topics
 
-    Expert popularity follows ``p(rank) ~ 1 / (rank + 1) ** zipf``; each layer ranks its experts
-    by its own random permutation, so the hot experts differ between layers.
+    return "\n".join(topics[name] for name in sorted(topics)).encode("utf-8")
+
+
+def text_steps(text: bytes, *, start: int, end: int, steps: int, tokens: int) -> np.ndarray:
+    """``steps`` consecutive windows of ``tokens`` bytes of ``text[start:end]`` (wrapping around).
+
+    Returns:
+      ``(steps, tokens)`` int32 byte values.
+
+    Raises:
+      DemoError: the part is shorter than one step.
     """
-    rng = np.random.default_rng([seed, 1])
-    p = 1.0 / np.arange(1, config.experts + 1) ** zipf
-    p /= p.sum()
-    ranking = [rng.permutation(config.experts) for _ in range(config.layers)]
-    out = np.empty((steps, config.layers, top_k), np.int32)
-    for s in range(steps):
-        for layer in range(config.layers):
-            out[s, layer] = ranking[layer][rng.choice(config.experts, top_k, replace=False, p=p)]
-    return out
+    part = np.frombuffer(text[start:end], np.uint8)
+    if len(part) < tokens:
+        raise DemoError(f"--tokens {tokens} is longer than the text part ({len(part)} bytes)")
+    idx = (np.arange(steps * tokens) % (len(part) - len(part) % tokens)).reshape(steps, tokens)
+    return part[idx].astype(np.int32)
 
 
 # --------------------------------------------------------------------------------------------
-# Serving passes
+# The model as the passes serve it
 
 
 @dataclasses.dataclass
-class _LayerStep:
-    """What one layer of one step needs: its leaves, their block keys and the routed ids."""
+class DemoModel:
+    """What every pass serves: the dense weights on the device and each expert's leaf.
 
-    leaves: list[LazyArray]
-    keys: list[str]
-    selected: jax.Array
+    Attributes:
+      config: the model size.
+      step_dir: the checkpoint.
+      table: the byte embedding, on the device.
+      norms: each layer's norm scale, on the device.
+      routers: each layer's router, on the device.
+      experts: ``experts[l][e]``: expert ``e`` of layer ``l`` (its block keys and `assemble`).
+      expert_keys: every expert block key, layer by layer.
+      largest: the largest expert block, in bytes.
+    """
+
+    config: MoEConfig
+    step_dir: Path
+    table: jax.Array
+    norms: list[jax.Array]
+    routers: list[jax.Array]
+    experts: list[list[LazyArray]]
+    expert_keys: list[str]
+    largest: int
 
 
-def _plan(tree: Any, routes: np.ndarray, top_k: int) -> list[list[_LayerStep]]:
-    """Turns the routed expert ids into per-step, per-layer leaves and block keys."""
-    layers = tree["layers"]
-    out = []
-    for step in routes:
-        plan = []
-        for layer, sel in enumerate(step):
-            node = layers[str(layer)]
-            experts = [node["experts"][str(int(e))] for e in sel]
-            leaves = [node["norm"]["scale"], node["router"]]
-            leaves += [e["w_in"] for e in experts] + [e["w_out"] for e in experts]
-            keys = [k for leaf in leaves for k in leaf.keys]
-            plan.append(_LayerStep(leaves, keys, jax.device_put(np.asarray(sel, np.int32))))
-        out.append(plan)
-    return out
+def open_model(step_dir: Path, config: MoEConfig) -> DemoModel:
+    """Opens the checkpoint lazily and puts the dense weights on the device."""
+    # A cache only for this: the dense leaves are read through it; the passes use their own.
+    tree = restore_lazy(step_dir, device_bytes=config.weight_bytes, host_bytes=0)
+    layers = [tree["layers"][str(i)] for i in range(config.layers)]
+    experts = [[node["experts"][str(e)]["w"] for e in range(config.experts)] for node in layers]
+    keys = [k for row in experts for leaf in row for k in leaf.keys]
+    cache = tree["embed"]["embedding"].cache
+    largest = max(cache.info(k).nbytes for k in keys)
+
+    def dense(leaf: LazyArray) -> jax.Array:
+        return jax.device_put(np.asarray(leaf))
+
+    return DemoModel(
+        config=config,
+        step_dir=step_dir,
+        table=dense(tree["embed"]["embedding"]),
+        norms=[dense(node["norm"]["scale"]) for node in layers],
+        routers=[dense(node["router"]) for node in layers],
+        experts=experts,
+        expert_keys=keys,
+        largest=largest,
+    )
 
 
-def _run_pass(
-    plan: list[list[_LayerStep]],
-    inputs: Sequence[jax.Array],
+@dataclasses.dataclass
+class PassResult:
+    """One pass: the measured steps' latencies (s), a digest of every step's output, the routes."""
+
+    latencies: list[float]
+    digest: str
+    routes: np.ndarray  # (steps, layers, top_k) int32
+
+
+def serve_pass(
+    model: DemoModel,
+    tokens: Sequence[jax.Array],
     fetch: Callable[[list[str]], list[jax.Array]],
     *,
     warmup: int,
     top_k: int,
-    on_measure: Callable[[], None],
-    tick: Callable[[], None],
-) -> tuple[list[float], jax.Array]:
-    """Serves every step; returns the measured steps' latencies (s) and the last output."""
+    on_measure: Callable[[], None] = lambda: None,
+    tick: Callable[[], None] = lambda: None,
+) -> PassResult:
+    """Serves every step of ``tokens``: per layer, route, ``fetch`` the routed experts, compute.
+
+    Args:
+      model: the model.
+      tokens: one device array of byte tokens per step.
+      fetch: returns the blocks of the given keys on the device, in order.
+      warmup: leading steps that are not measured.
+      top_k: experts per layer and step.
+      on_measure: called once, before the first measured step.
+      tick: called after each step.
+
+    Returns:
+      The `PassResult`; only the measured steps' latencies.
+    """
     latencies = []
-    x = inputs[0]
-    for i, (layers, x0) in enumerate(zip(plan, inputs)):
+    digest = hashlib.blake2b(digest_size=16)
+    routes = np.empty((len(tokens), model.config.layers, top_k), np.int32)
+    layers = list(zip(model.norms, model.routers, model.experts))
+    for i, toks in enumerate(tokens):
         if i == warmup:
             on_measure()
         t0 = time.perf_counter()
-        x = x0
-        for ls in layers:
-            blocks = iter(fetch(ls.keys))
-            w = [leaf.assemble([next(blocks) for _ in leaf.keys]) for leaf in ls.leaves]
-            x = moe_layer(
-                x, w[0], w[1], ls.selected, tuple(w[2 : 2 + top_k]), tuple(w[2 + top_k :])
-            )
+        x = embed(model.table, toks)
+        for j, (norm, router, experts) in enumerate(layers):
+            h, selected, gates = route(x, norm, router, top_k=top_k)
+            ids = np.asarray(selected)  # waits for the layer before: routing needs its output
+            leaves = [experts[e] for e in ids]
+            blocks = iter(fetch([k for leaf in leaves for k in leaf.keys]))
+            w = tuple(leaf.assemble([next(blocks) for _ in leaf.keys]) for leaf in leaves)
+            x = experts_layer(x, h, gates, w)
+            routes[i, j] = ids
         x.block_until_ready()
         if i >= warmup:
             latencies.append(time.perf_counter() - t0)
+        digest.update(np.asarray(x).tobytes())
         tick()
-    return latencies, x
+    return PassResult(latencies, digest.hexdigest(), routes)
+
+
+# --------------------------------------------------------------------------------------------
+# The predictors
+
+
+def load_checkpoint(path: Path, log: Callable[[str], None]) -> predictor.Predictor | None:
+    """Loads an MLP predictor checkpoint; a damaged one warns once and gives None.
+
+    Raises:
+      predictor.CheckpointError: ``path`` is missing or not a checkpoint (pointing at
+        ``path/checkpoint`` when ``path`` is a training output directory).
+    """
+    from predictor import CheckpointError, CorruptCheckpointError
+    from predictor import load as load_predictor
+
+    try:
+        return load_predictor(path)
+    except CorruptCheckpointError as err:
+        # A damaged checkpoint must not stop serving: serve without it, and say so once.
+        log(f"warning: {err}; serving cacheflow+mlp without the predictor (no prefetch)")
+        return None
+    except CheckpointError as err:
+        inner = Path(path) / "checkpoint"
+        if not (inner / "meta").is_dir():
+            raise
+        raise CheckpointError(f"{err} (did you mean --predictor {inner}?)") from err
+
+
+def train_mlp(log_path: Path, out: Path, *, k: int, log: Callable[[str], None]) -> Path:
+    """Trains the MLP predictor on ``log_path`` with ``python -m training.main`` (a subprocess).
+
+    Returns:
+      The checkpoint directory (``out/checkpoint``).
+
+    Raises:
+      DemoError: the training failed (the message has its last error line).
+    """
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [sys.executable, "-m", "training.main", str(log_path), "--out", str(out),
+           *TRAIN_ARGS, "--top-k", str(k), "--json", "--no-progress"]  # fmt: skip
+    log(f"demo: training the MLP predictor: {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    # training/ sits beside cacheflow_jax/ in the checkout and in the installed wheel alike.
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise DemoError(
+            f"training the MLP predictor on {log_path} failed (exit {proc.returncode}): {last}; "
+            "pass a trained checkpoint with --predictor instead"
+        )
+    metrics = json.loads(proc.stdout)
+    ev = metrics["eval"]
+    log(
+        f"demo: trained in {time.perf_counter() - t0:.1f} s; held-out precision/recall: mlp "
+        f"{ev['mlp']['precision']:.3f}/{ev['mlp']['recall']:.3f}, markov "
+        f"{ev['markov']['precision']:.3f}/{ev['markov']['recall']:.3f}"
+    )
+    return out / "checkpoint"
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of an access log v1 file written by `serving` (JSON Lines)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def primed(p: predictor.Predictor, records: Sequence[dict], *, k: int) -> predictor.Predictor:
+    """``p`` after a reset and observing ``records``: it starts with the warm-up's history.
+
+    One ``predict(k)`` follows (it changes no state): the MLP's jit compilation happens here,
+    not in the prefetch worker during the first served steps.
+    """
+    p.reset()
+    for record in records:
+        p.observe(record)
+    p.predict(k)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# The demo
 
 
 def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
@@ -298,83 +465,87 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
       log: receives progress lines for people (the CLI sends them to stderr).
 
     Returns:
-      ``{"rows": [...], "setup": {...}}``: one row per pass with at least the keys of `COLUMNS`;
-      with ``settings.predictor`` the ``cacheflow`` row also has ``"predictor"`` (see
-      `time_predictor`).
+      ``{"rows": [...], "setup": {...}}``: one row per pass, named as `ROWS`, with at least the
+      keys of `COLUMNS`, ``host_hit_ratio``, ``mean_ms`` and ``steps``; ``setup`` describes the
+      run (``header``: the backend, device and what a step is; ``plot``: the CDF's path;
+      ``outputs_match``).
 
     Raises:
-      DemoError: invalid settings.
+      DemoError: invalid settings, or the MLP's training failed.
       cacheflow_jax.BudgetError: a budget is smaller than one block.
       predictor.CheckpointError: ``settings.predictor`` is missing or not a checkpoint
         (checked before any pass runs). A damaged checkpoint (`CorruptCheckpointError`) is
-        not an error: the demo warns once and runs without the predictor.
+        not an error: the demo warns once and serves ``cacheflow+mlp`` without prefetch.
     """
     from tqdm import tqdm
 
+    import predictor as predictors
     from cacheflow_jax._cache import TieredCache
 
     config = settings.model_config()
-    mlp = None
+    mlp, trained = None, None
     if settings.predictor is not None:
-        from predictor import CheckpointError, CorruptCheckpointError
-        from predictor import load as load_predictor
-
-        try:
-            mlp = load_predictor(settings.predictor)
-        except CorruptCheckpointError as e:
-            # A damaged checkpoint must not stop serving: run without the predictor, and say so.
-            log(f"warning: {e}; running without the predictor")
-            mlp = None
-        except CheckpointError as e:
-            inner = Path(settings.predictor) / "checkpoint"
-            if not (inner / "meta").is_dir():
-                raise
-            raise CheckpointError(f"{e} (did you mean --predictor {inner}?)") from e
-    device_bytes = (
-        config.weight_bytes // 6 if settings.device_bytes is None else settings.device_bytes
-    )
-    host_bytes = config.weight_bytes // 3 if settings.host_bytes is None else settings.host_bytes
-    largest = config.d_model * max(config.d_ff, config.experts) * 4
+        mlp = load_checkpoint(settings.predictor, log)
+    expert_total = config.layers * config.experts * config.expert_bytes
+    device_bytes = expert_total // 6 if settings.device_bytes is None else settings.device_bytes
+    host_bytes = expert_total // 2 if settings.host_bytes is None else settings.host_bytes
+    largest = config.expert_bytes
     for flag, value in (("--device-bytes", device_bytes), ("--host-bytes", host_bytes)):
         if value < largest and not (flag == "--host-bytes" and value == 0):
             raise DemoError(
                 f"{flag} {value} is smaller than the model's largest block ({largest} bytes, one "
-                f"expert matrix); raise it to at least {largest}"
+                f"expert); raise it to at least {largest}"
             )
-    workdir = Path(settings.workdir) if settings.workdir is not None else default_workdir()
+    workdir = settings.workdir or default_workdir()
     t_build = time.perf_counter()
     step_dir, built = prepare_checkpoint(config, workdir, seed=settings.seed)
+    run_dir = step_dir.parent.parent
     log(
         f"demo: {'built' if built else 'reusing'} {config.name()} "
         f"({config.weight_bytes / MiB:.1f} MiB of weights) at {step_dir}"
         + (f" in {time.perf_counter() - t_build:.1f} s" if built else "")
     )
-    # One block per expert matrix (the checkpoint's chunks), whatever the budgets.
-    tree = restore_lazy(
-        step_dir, device_bytes=device_bytes, host_bytes=host_bytes, block_bytes=largest
-    )
-    cache: TieredCache = tree["layers"]["0"]["router"].cache
-    store = cache.store
+    model = open_model(step_dir, config)
+    k = settings.prefetch_k or 2 * settings.top_k * len(model.experts[0][0].keys)
+    # As many loads in flight as guesses per prediction: the next layer's experts at once.
+    pf_settings = PrefetchSettings(k=k, inflight_bytes=k * model.largest)
+
+    def new_cache(prefetcher: predictor.Predictor | None = None, clock: Any = time.monotonic):
+        return TieredCache(
+            open_store(step_dir),
+            device_bytes=device_bytes,
+            host_bytes=host_bytes,
+            block_bytes=model.largest,  # one block per expert, whatever the budgets
+            prefetcher=prefetcher,
+            prefetch=pf_settings if prefetcher is not None else None,
+            clock=clock,
+        )
+
+    new_cache().close()  # budgets checked before anything runs
+    text = demo_text()
+    half = len(text) // 2
     steps = settings.warmup + settings.requests
-    routes = request_stream(
-        config, steps, top_k=settings.top_k, zipf=settings.zipf, seed=settings.seed
-    )
-    plan = _plan(tree, routes, settings.top_k)
-    rng = np.random.default_rng([settings.seed, 2])
-    inputs = [
-        jax.device_put(rng.standard_normal((settings.tokens, config.d_model), np.float32))
-        for _ in range(steps)
-    ]
-    blocks_per_step = sum(len(ls.keys) for ls in plan[0])
-    log(
-        f"demo: {settings.requests} requests (+{settings.warmup} warm-up) x {config.layers} "
-        f"layers, top-{settings.top_k} of {config.experts} experts (Zipf {settings.zipf}), "
-        f"{blocks_per_step} blocks/step; device budget {device_bytes / MiB:.1f} MiB, host "
-        f"budget {host_bytes / MiB:.1f} MiB; page cache dropped before each pass"
-    )
+    tokens = settings.tokens
+    record_tokens = text_steps(text, start=0, end=half, steps=settings.record, tokens=tokens)
+    serve_tokens = text_steps(text, start=half, end=len(text), steps=steps, tokens=tokens)
+    record_dev = [jax.device_put(t) for t in record_tokens]
+    serve_dev = [jax.device_put(t) for t in serve_tokens]
     device = jax.devices()[0]
+    header = (
+        f"JAX backend {jax.default_backend()}, device {device.device_kind} ({device}); a step = "
+        f"{tokens} bytes of Python's help text through {config.layers} MoE layers, each routing "
+        f"the step to its top-{settings.top_k} of {config.experts} experts from the layer's input "
+        f"({config.expert_bytes / MiB:g} MiB each), timed until the output is ready"
+    )
+    log(f"demo: {header}")
+    log(
+        f"demo: {settings.requests} measured steps (+{settings.warmup} warm-up) per pass, "
+        f"{settings.record} recorded warm-up steps; L1 budget {device_bytes / MiB:.1f} MiB, "
+        f"L2 {host_bytes / MiB:.1f} MiB of {expert_total / MiB:.1f} MiB of experts; page cache "
+        "dropped before each pass"
+    )
     bar = tqdm(
-        total=3 * steps,
+        total=settings.record + 5 * steps,
         desc="demo",
         unit="step",
         file=sys.stderr,
@@ -382,219 +553,184 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
         mininterval=0.5,
     )
     common = {"warmup": settings.warmup, "top_k": settings.top_k, "tick": bar.update}
-    rows, outputs = [], {}
+    rows, results = [], {}
     try:
+        # Warm-up: record the access log the MLP trains on and the predictors start from.
+        bar.set_description("warm-up")
+        warm_log = run_dir / "warmup_access.jsonl"
+        with new_cache() as cache, serving(cache, access_log=warm_log) as session:
+            serve_pass(model, record_dev, session.get_many, **{**common, "warmup": 0})
+        records = read_log(warm_log)
+        if settings.predictor is None:
+            bar.clear()
+            trained = train_mlp(warm_log, run_dir / "mlp", k=k, log=log)
+            mlp = predictors.load(trained)
+        # The prefetching caches' clock continues the warm-up log's: the predictors' time
+        # features see one stream, not a jump of the time spent between the two.
+        gap = (records[-1]["t"] - records[0]["t"]) / max(len(records) - 1, 1) if records else 0.0
+        t_end = (records[-1]["t"] if records else 0.0) + gap
+
         # baseline: on-demand TensorStore reads, no cache.
         bar.set_description("baseline")
+        store = open_store(step_dir)
         drop_page_cache(step_dir)
 
         def read_direct(keys: list[str]) -> list[jax.Array]:
             return [jax.device_put(f.result(), device) for f in store.read_many(keys)]
 
-        lat, outputs["baseline"] = _run_pass(
-            plan, inputs, read_direct, on_measure=lambda: None, **common
-        )
-        rows.append(_row("baseline", lat, l1=0.0, host=0.0))
+        results["baseline"] = serve_pass(model, serve_dev, read_direct, **common)
+        rows.append(_row("baseline", results["baseline"].latencies))
 
-        # cacheflow: the tiered cache, through serving().
-        bar.set_description("cacheflow")
-        drop_page_cache(step_dir)
-        marks: list[dict] = []
-        with serving(cache, access_log=settings.access_log) as session:
-            lat, outputs["cacheflow"] = _run_pass(
-                plan,
-                inputs,
-                session.get_many,
-                on_measure=lambda: marks.append(cache.stats()),
-                **common,
-            )
-            end = cache.stats()
-        start = marks[0] if marks else _zero_stats()
-        requests = end["requests"] - start["requests"]
-        l1 = (end["hits"]["device"] - start["hits"]["device"]) / max(requests, 1)
-        l2 = (end["hits"]["host"] - start["hits"]["host"]) / max(requests, 1)
-        rows.append(_row("cacheflow", lat, l1=l1, host=l2))
-        cache_stats = end
+        prefetchers = {
+            "cacheflow": None,
+            "cacheflow+markov": primed(predictors.markov(), records, k=k),
+            "cacheflow+mlp": None if mlp is None else primed(mlp, records, k=k),
+        }
+        for name, prefetcher in prefetchers.items():
+            bar.set_description(name)
+            drop_page_cache(step_dir)
+            start = time.monotonic()
+            cache = new_cache(prefetcher, clock=lambda s=start: t_end + time.monotonic() - s)
+            access_log = settings.access_log if name == "cacheflow" else None
+            with cache, serving(cache, access_log=access_log) as session:
+                results[name] = serve_pass(
+                    model, serve_dev, session.get_many, on_measure=cache.reset_counters, **common
+                )
+            rows.append(_row(name, results[name].latencies, cache.stats()))
 
-        # all-resident: every weight on the device up front.
+        # all-resident: every expert on the device up front.
         bar.set_description("all-resident")
         drop_page_cache(step_dir)
-        keys = list(store.keys())
+        keys = model.expert_keys
         resident = dict(
             zip(keys, (jax.device_put(f.result(), device) for f in store.read_many(keys)))
         )
         jax.block_until_ready(list(resident.values()))
-        lat, outputs["all-resident"] = _run_pass(
-            plan,
-            inputs,
-            lambda ks: [resident[k] for k in ks],
-            on_measure=lambda: None,
-            **common,
+        results["all-resident"] = serve_pass(
+            model, serve_dev, lambda ks: [resident[k] for k in ks], **common
         )
-        rows.append(_row("all-resident", lat, l1=1.0, host=0.0))
+        rows.append(_row("all-resident", results["all-resident"].latencies, resident=True))
         resident.clear()
     finally:
         bar.close()
-    base = rows[0]["p95_ms"]
+    base, limit = rows[0]["p95_ms"], rows[-1]["p95_ms"]
     for row in rows:
         row["p95_ratio_to_baseline"] = row["p95_ms"] / base if base else 0.0
-    if mlp is not None:
-        log(f"demo: replaying the cacheflow pass's accesses through {settings.predictor}")
-        accesses = _accesses(plan, cache, step_seconds=rows[1]["p50_ms"] / 1e3)
-        timing = time_predictor(mlp, accesses, warmup=settings.warmup, k=len(plan[0][0].keys))
-        step_us = rows[1]["p50_ms"] * 1e3
-        rows[1]["predictor"] = {
-            "checkpoint": str(Path(settings.predictor).expanduser().resolve()),
-            **timing,
-            "step_p50_ms": rows[1]["p50_ms"],
-            "predict_share_of_step": timing["predict_us"] / step_us if step_us else 0.0,
-            "observe_share_of_step": timing["observe_us_per_step"] / step_us if step_us else 0.0,
-        }
-    ref = np.asarray(outputs["baseline"])
-    same = all(np.array_equal(np.asarray(v), ref) for v in outputs.values())
+        row["p95_ratio_to_resident"] = row["p95_ms"] / limit if limit else 0.0
+    ref = results["baseline"]
+    same = all(
+        r.digest == ref.digest and np.array_equal(r.routes, ref.routes) for r in results.values()
+    )
     if not same:
         log("demo: WARNING: the passes' outputs differ; the cache served wrong data")
+    plot = settings.plot or run_dir / "latency_cdf.png"
+    plot_cdf(results, plot, title=f"cacheflow demo: {config.name()}, {settings.requests} steps")
+    log(f"demo: latency CDF saved to {plot}")
     setup = {
         "model": config.name(),
         "step_dir": str(step_dir),
+        "header": header,
+        "backend": jax.default_backend(),
+        "device": str(device),
         "weight_bytes": config.weight_bytes,
-        "blocks": len(store.keys()),
+        "expert_bytes": config.expert_bytes,
+        "blocks": len(model.expert_keys),
         "device_bytes": device_bytes,
         "host_bytes": host_bytes,
         "requests": settings.requests,
         "warmup": settings.warmup,
-        "blocks_per_step": blocks_per_step,
+        "record": settings.record,
+        "tokens": tokens,
+        "top_k": settings.top_k,
+        "prefetch": dataclasses.asdict(pf_settings),
+        "predictor": str(settings.predictor or trained),
+        "predictor_trained": settings.predictor is None,
+        "warmup_log": str(warm_log),
         "outputs_match": same,
-        "cache": cache_stats,
-        "backend": jax.default_backend(),
+        "plot": str(plot),
+        "loadavg": list(os.getloadavg()),
     }
     return {"rows": rows, "setup": setup}
 
 
-def _accesses(
-    plan: list[list[_LayerStep]], cache: Any, *, step_seconds: float
-) -> list[list[predictor.Access]]:
-    """The accesses of a pass over ``plan``, per step, as `predictor.Access` records.
+def _row(
+    name: str, latencies: Sequence[float], stats: dict | None = None, *, resident: bool = False
+) -> dict:
+    """One result row; the p95 ratios are filled in once every pass ran.
 
-    A pass makes one ``get_many`` per layer, so a layer's blocks share a time; the times advance
-    by ``step_seconds`` (the pass's median step time) per step, spread evenly over the layers.
+    ``stats`` (a cache's, counted over the measured steps) gives the hit ratios and prefetch
+    figures; without it the row is the baseline (nothing on the device before a step) or, with
+    ``resident``, the all-resident limit.
     """
-    from predictor import Access
-
-    info: dict[str, tuple[int, str]] = {}
-    out = []
-    for i, layers in enumerate(plan):
-        step = []
-        for j, ls in enumerate(layers):
-            t = (i + j / len(layers)) * step_seconds
-            for key in ls.keys:
-                if key not in info:
-                    info[key] = (cache.info(key).nbytes, cache.kind(key))
-                step.append(Access(key, t, *info[key], f"r{i}"))
-        out.append(step)
-    return out
-
-
-def time_predictor(
-    mlp: predictor.Predictor,
-    accesses: Sequence[Sequence[predictor.Access]],
-    *,
-    warmup: int,
-    k: int,
-) -> dict[str, Any]:
-    """Times ``mlp`` on a stream: per step, ``observe`` each access, then one ``predict(k)``.
-
-    The predictor is reset first. `PREDICT_WARMUP` calls after observing the first step, then a
-    reset, warm it up (jit compilation); the calls of the first ``warmup`` steps are not timed
-    either, so the timed calls are those of the steps whose latencies the demo measures.
-
-    Args:
-      mlp: the predictor.
-      accesses: the accesses of each step, in order.
-      warmup: leading steps whose calls are not timed.
-      k: keys asked for per ``predict`` call.
-
-    Returns:
-      ``{"predict_us", "predict_p95_us": median and p95 microseconds of one predict call,
-      "observe_us_per_step": median microseconds to observe one step's accesses, "calls": timed
-      calls, "k", "accesses_per_step", "warmup_calls": untimed calls}``.
-
-    Raises:
-      DemoError: no step is left to time after ``warmup``.
-    """
-    if len(accesses) <= warmup:
-        raise DemoError(
-            f"no step to time the predictor on: {len(accesses)} steps, {warmup} warm-up"
-        )
-    mlp.reset()
-    for access in accesses[0]:
-        mlp.observe(access)
-    for _ in range(PREDICT_WARMUP):
-        mlp.predict(k)
-    mlp.reset()
-    clock = time.perf_counter_ns
-    predict_ns, observe_ns = [], []
-    for i, step in enumerate(accesses):
-        t0 = clock()
-        for access in step:
-            mlp.observe(access)
-        t1 = clock()
-        mlp.predict(k)
-        t2 = clock()
-        if i >= warmup:
-            observe_ns.append(t1 - t0)
-            predict_ns.append(t2 - t1)
-    predict_us = np.asarray(predict_ns) / 1e3
-    return {
-        "predict_us": float(np.median(predict_us)),
-        "predict_p95_us": float(np.percentile(predict_us, 95)),
-        "observe_us_per_step": float(np.median(np.asarray(observe_ns) / 1e3)),
-        "calls": len(predict_ns),
-        "k": k,
-        "accesses_per_step": len(accesses[0]),
-        "warmup_calls": PREDICT_WARMUP + warmup,
-    }
-
-
-def format_predictor(row: dict) -> str:
-    """One line comparing the predictor's cost with the ``row``'s median step time."""
-    p = row["predictor"]
-    return (
-        f"predictor: predict({p['k']}) median {p['predict_us']:.1f} us (p95 "
-        f"{p['predict_p95_us']:.1f} us, {p['calls']} calls) = {100 * p['predict_share_of_step']:.2f}% "
-        f"of the {row['name']} step p50 {p['step_p50_ms']:.2f} ms; observing a step's "
-        f"{p['accesses_per_step']} accesses {p['observe_us_per_step']:.1f} us "
-        f"({100 * p['observe_share_of_step']:.2f}%)"
-    )
-
-
-def _zero_stats() -> dict:
-    return {"requests": 0, "hits": {"device": 0, "host": 0}}
-
-
-def _row(name: str, latencies: Sequence[float], *, l1: float, host: float) -> dict:
-    """One result row; ``p95_ratio_to_baseline`` is filled in once the baseline is known."""
     ms = np.asarray(latencies) * 1e3
-    return {
+    if stats is None:
+        l1, host, l3 = (1.0, 0.0, 0.0) if resident else (0.0, 0.0, 1.0)
+        accuracy = coverage = 0.0
+        prefetch = None
+    else:
+        n = max(stats["requests"], 1)
+        l1, host, l3 = stats["hits"]["device"] / n, stats["hits"]["host"] / n, stats["misses"] / n
+        prefetch = stats["prefetch"]
+        accuracy, coverage = prefetch["accuracy"], prefetch["coverage"]
+    row = {
         "name": name,
         "l1_hit_ratio": round(float(l1), 4),
         "host_hit_ratio": round(float(host), 4),
+        "l3_share": round(float(l3), 4),
+        "prefetch_accuracy": round(float(accuracy), 4),
+        "prefetch_coverage": round(float(coverage), 4),
         "p50_ms": float(np.percentile(ms, 50)),
         "p95_ms": float(np.percentile(ms, 95)),
         "p95_ratio_to_baseline": 1.0,
+        "p95_ratio_to_resident": 1.0,
         "mean_ms": float(ms.mean()),
         "steps": len(ms),
     }
+    if prefetch is not None:
+        row["prefetch"] = prefetch
+    return row
+
+
+def plot_cdf(results: dict[str, PassResult], path: Path, *, title: str) -> None:
+    """Saves the step-latency CDF of every pass to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, result in results.items():
+        ms = np.sort(np.asarray(result.latencies) * 1e3)
+        ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=name)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("step latency (ms, log scale)")
+    ax.set_ylabel("fraction of steps")
+    ax.axhline(0.95, color="grey", lw=0.5, ls=":")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def format_table(rows: Sequence[dict]) -> str:
     """The rows as a plain-text table with the `COLUMNS`."""
-    cells = [list(COLUMNS)]
+    cells = [[title for _, title in COLUMNS]]
     for row in rows:
         cells.append(
             [row["name"]]
-            + [f"{row[c]:.3f}" for c in ("l1_hit_ratio", "host_hit_ratio")]
-            + [f"{row[c]:.2f}" for c in ("p50_ms", "p95_ms", "p95_ratio_to_baseline")]
+            + [f"{row[c]:.3f}" for c in ("l1_hit_ratio", "l3_share")]
+            + [
+                f"{row[c]:.3f}" if row.get("prefetch", {}).get("issued") else "-"
+                for c in ("prefetch_accuracy", "prefetch_coverage")
+            ]
+            + [f"{row[c]:.2f}" for c in ("p50_ms", "p95_ms")]
+            + [f"{row[c]:.2f}x" for c in ("p95_ratio_to_baseline", "p95_ratio_to_resident")]
         )
     widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
     lines = [

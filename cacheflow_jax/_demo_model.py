@@ -1,23 +1,38 @@
-"""The demo's model: a stack of mixture-of-experts MLP blocks in Flax NNX.
+"""The demo's model: a byte-level stack of mixture-of-experts MLP blocks in Flax NNX.
 
-Each layer is ``x + sum_j gate_j * expert_j(rms_norm(x))`` over the ``top_k`` experts a request is
-routed to; an expert is a two-matrix GELU MLP. Experts are separate modules (an ``nnx.List``), so
-each expert matrix is its own checkpoint leaf and, as orbax writes one chunk per leaf, one cache
-block: ``layers/3/experts/5/w_in@0,0``. Serving fetches only the routed experts' blocks.
+Tokens are the bytes of a text; a byte embedding turns them into the residual stream. Each layer
+is ``x + sum_j gate_j * expert_j(rms_norm(x))`` over the ``top_k`` experts its router picks for
+the step; an expert is a two-matrix GELU MLP.
 
-The serving step does not call the module: as in Flax's examples, the hot loop runs one jitted
-pure function (`moe_layer`) on the arrays fetched for the step.
+Routing is per step, from the layer's own input: the router's softmax over experts is summed over
+the step's tokens and the ``top_k`` experts with the largest sums serve every token of the step
+(gated by each token's softmax over those ``top_k``). A fixed number of experts per layer and step
+keeps the steps comparable; since layer ``l + 1`` routes on layer ``l``'s output, its experts are
+known only after layer ``l`` ran, which is what a layer-ahead prefetcher has to guess.
+
+Each expert's two matrices are one checkpoint leaf, ``w`` of shape ``(2, d_model, d_ff)``
+(``w[0]`` is the input matrix, ``w[1]`` the transposed output matrix, as fused expert weights
+are stored), so an expert is one chunk in orbax's layout and one cache block:
+``layers/3/experts/5/w@0,0,0``. Serving fetches only the routed experts' blocks; the dense
+weights (embedding, norms, routers) are small and stay on the device, as MoE offloading systems
+keep them.
+
+The serving step does not call the module: as in Flax's examples, the hot loop runs jitted pure
+functions (`embed`, `route`, `experts_layer`) on the arrays fetched for the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+VOCAB = 256  # byte-level tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,30 +55,36 @@ class MoEConfig:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (both matrices)."""
+        """Bytes of one expert (both matrices): one cache block."""
         return 2 * self.d_model * self.d_ff * np.dtype(jnp.dtype(self.dtype)).itemsize
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes of all weights (experts, routers and norms)."""
+    def dense_bytes(self) -> int:
+        """Bytes of the weights that are not experts (embedding, norms, routers)."""
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
-        per_layer = self.experts * self.expert_bytes + self.d_model * self.experts * itemsize
-        return self.layers * (per_layer + self.d_model * 4)
+        per_layer = self.d_model * self.experts * itemsize + self.d_model * 4
+        return VOCAB * self.d_model * itemsize + self.layers * per_layer
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights."""
+        return self.layers * self.experts * self.expert_bytes + self.dense_bytes
 
     def name(self) -> str:
         """A directory name that identifies this configuration."""
-        return f"moe-L{self.layers}-E{self.experts}-d{self.d_model}-f{self.d_ff}-{self.dtype}"
+        return f"bytemoe-L{self.layers}-E{self.experts}-d{self.d_model}-f{self.d_ff}-{self.dtype}"
 
 
 class Expert(nnx.Module):
-    """One expert: ``gelu(x @ w_in) @ w_out``."""
+    """One expert: ``gelu(x @ w[0]) @ w[1].T``, both matrices in one leaf ``w``."""
 
     def __init__(self, d_model: int, d_ff: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.w_in = nnx.Param(_normal(rngs, (d_model, d_ff), dtype, d_model))
-        self.w_out = nnx.Param(_normal(rngs, (d_ff, d_model), dtype, d_ff))
+        w_in = _normal(rngs, (d_model, d_ff), dtype, d_model)
+        w_out_t = _normal(rngs, (d_model, d_ff), dtype, d_ff)
+        self.w = nnx.Param(jnp.stack([w_in, w_out_t]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return expert_mlp(x, self.w_in[...], self.w_out[...])
+        return expert_mlp(x, self.w[...])
 
 
 class MoELayer(nnx.Module):
@@ -72,7 +93,11 @@ class MoELayer(nnx.Module):
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs) -> None:
         dtype = jnp.dtype(config.dtype)
         self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
-        self.router = nnx.Param(_normal(rngs, (config.d_model, config.experts), dtype, 1))
+        # Scaled as a trained router's logits are: a few units apart, so a token's softmax
+        # prefers a few experts without being one-hot.
+        self.router = nnx.Param(
+            _normal(rngs, (config.d_model, config.experts), dtype, config.d_model) * 4.0
+        )
         self.experts = nnx.List(
             [
                 Expert(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
@@ -82,9 +107,10 @@ class MoELayer(nnx.Module):
 
 
 class MoEStack(nnx.Module):
-    """``layers`` MoE blocks; see the module note."""
+    """A byte embedding and ``layers`` MoE blocks; see the module note."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(VOCAB, config.d_model, rngs=rngs)
         self.layers = nnx.List([MoELayer(config, rngs=rngs) for _ in range(config.layers)])
 
 
@@ -93,38 +119,58 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: in
     return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
 
-def expert_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
-    """One expert's MLP in float32."""
-    h = jax.nn.gelu(x @ w_in.astype(jnp.float32))
-    return h @ w_out.astype(jnp.float32)
+def expert_mlp(x: jax.Array, w: jax.Array) -> jax.Array:
+    """One expert's MLP in float32; ``w`` is the fused ``(2, d_model, d_ff)`` leaf."""
+    w = w.astype(jnp.float32)
+    return jax.nn.gelu(x @ w[0]) @ w[1].T
 
 
 @jax.jit
-def moe_layer(
-    x: jax.Array,
-    norm_scale: jax.Array,
-    router: jax.Array,
-    selected: jax.Array,
-    w_in: tuple[jax.Array, ...],
-    w_out: tuple[jax.Array, ...],
-) -> jax.Array:
-    """One MoE block over the routed experts' weights.
+def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The residual stream of byte ``tokens`` (``(tokens,)`` int32): ``(tokens, d_model)`` f32."""
+    return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="top_k")
+def route(
+    x: jax.Array, norm_scale: jax.Array, router: jax.Array, *, top_k: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Routes one step through one layer.
 
     Args:
-      x: activations, ``(tokens, d_model)`` float32.
+      x: the layer's input, ``(tokens, d_model)`` float32.
       norm_scale: the RMS norm's scale, ``(d_model,)``.
       router: ``(d_model, experts)``.
-      selected: the routed expert ids, ``(top_k,)`` int32.
-      w_in: the routed experts' ``w_in``, each ``(d_model, d_ff)``.
-      w_out: the routed experts' ``w_out``, each ``(d_ff, d_model)``.
+      top_k: experts served this step.
+
+    Returns:
+      ``(h, selected, gates)``: the normed input; the ``top_k`` experts with the largest router
+      probability summed over the step's tokens, largest first (``(top_k,)`` int32, ties to the
+      lower id); each token's softmax over those experts' logits, ``(tokens, top_k)``.
+    """
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * norm_scale
+    logits = h @ router.astype(jnp.float32)
+    load = jax.nn.softmax(logits, axis=-1).sum(axis=0)
+    _, selected = jax.lax.top_k(load, top_k)
+    gates = jax.nn.softmax(jnp.take(logits, selected, axis=-1), axis=-1)
+    return h, selected.astype(jnp.int32), gates
+
+
+@jax.jit
+def experts_layer(
+    x: jax.Array, h: jax.Array, gates: jax.Array, experts: tuple[jax.Array, ...]
+) -> jax.Array:
+    """The layer's output: ``x`` plus the routed experts' MLPs of ``h``, gated.
+
+    Args:
+      x: the layer's input, ``(tokens, d_model)``.
+      h, gates: from `route`.
+      experts: the routed experts' ``w`` leaves, in `route`'s order.
 
     Returns:
       The block's output, shaped like ``x``.
     """
-    h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * norm_scale
-    logits = h @ router.astype(jnp.float32)
-    gates = jax.nn.softmax(jnp.take(logits, selected, axis=-1), axis=-1)
-    y = sum(gates[:, j : j + 1] * expert_mlp(h, a, b) for j, (a, b) in enumerate(zip(w_in, w_out)))
+    y = sum(gates[:, j : j + 1] * expert_mlp(h, w) for j, w in enumerate(experts))
     return x + y
 
 

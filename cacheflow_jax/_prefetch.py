@@ -15,6 +15,12 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
   predictor ranks the victim itself above the guess (it expects the victim back sooner);
   otherwise it goes to L2 by the same rule, or is dropped. A guess not used within its rank (in
   accesses) after it landed is stale, and stale guesses leave any tier first.
+* A guess already in L2 is *promoted*: the worker copies it up to L1, by the same prefetch
+  admission, after issuing the round's L3 reads (``PrefetchSettings.promote``). This is the
+  layer-ahead step of MoE offloading systems (experts in host memory go to the device while the
+  layer before computes). A promoted block keeps its policy state, like a demoted one: it is no
+  guess the planner tracks, and unused it goes back down in its turn. Promotions are counted
+  apart (``promoted``), not in ``issued``: they read nothing from L3.
 * A demand access that finds its block still loading waits for that load (it is *late*); one
   that finds it resident is a hit (*timely*).
 * When accesses pile up faster than the worker takes them (a tight loop of hits, where there
@@ -32,7 +38,8 @@ residency comparable with replay's step by step.
 
 Counters (`TieredCache.stats()["prefetch"]`, replay's JSON): ``issued``, ``used`` (accessed
 before leaving), ``timely`` (used while resident: a hit), ``late`` (used while still loading),
-``wasted`` (left unused), ``dropped`` (arrived but not admitted, or failed), each also in bytes;
+``wasted`` (left unused), ``dropped`` (arrived but not admitted, or failed), ``promoted`` (L2
+guesses moved up to L1 by the live worker), each also in bytes;
 ``accuracy = used / issued``; ``coverage = timely / (timely + demand misses)``, the share of
 the accesses that would have gone to L3 without prefetch and were hits with it.
 """
@@ -70,6 +77,8 @@ class PrefetchSettings:
         default a key is fetchable only after its first access (KV blocks are written first).
       synchronous: live only: predict and load inside each access, as replay does with lead 1
         (deterministic; for tests and comparisons).
+      promote: live worker only: a guess resident in L2 is moved up to L1 (with prefetch
+        admission) instead of being skipped; counted in ``promoted``.
     """
 
     k: int = 4
@@ -80,6 +89,7 @@ class PrefetchSettings:
     lead: int = 1
     keys_known: bool = False
     synchronous: bool = False
+    promote: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -95,7 +105,7 @@ class PrefetchSettings:
                 raise ValueError(f"PrefetchSettings: {what}; got {self}")
 
 
-COUNTERS = ("issued", "used", "timely", "late", "wasted", "dropped")
+COUNTERS = ("issued", "used", "timely", "late", "wasted", "dropped", "promoted")
 
 
 def new_counters() -> dict[str, int]:
@@ -285,12 +295,19 @@ class PrefetchWorker:
                 proposed = scheduler.candidates()
                 cache._planner.ranking = {key: r + 1 for r, (key, _) in enumerate(proposed)}
                 self._queue = [(key, r + 1) for r, (key, _) in enumerate(proposed)]
+            # L3 reads first, in the predictor's order: they take longest, and promotions (a
+            # host-to-device copy each, done here) would only delay them.
+            later = []
             while self._queue:
                 key, rank = self._queue[0]
-                verdict = cache._prefetch_issue(key, self, rank)
+                verdict = cache._prefetch_issue(key, self, rank, promote=False)
                 if verdict == "full":
                     break  # in-flight bytes at their bound: try again after an arrival
                 self._queue.pop(0)
+                if verdict == "promote":
+                    later.append((key, rank))
+            for key, rank in later:
+                cache._prefetch_issue(key, self, rank)
             busy = time.perf_counter() - start
             if backlog and duty < 1.0 and busy > 0:
                 time.sleep(busy * (1.0 / duty - 1.0))

@@ -354,7 +354,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from cacheflow_jax._demo import DemoSettings, format_predictor, format_table, run_demo
+    from cacheflow_jax._demo import DemoSettings, format_table, run_demo
 
     if args.access_log:
         check_output_file(args.access_log, setting="--access-log")
@@ -362,26 +362,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         workdir=Path(args.workdir).expanduser().resolve() if args.workdir else None,
         requests=args.requests,
         warmup=args.warmup,
+        record=args.record,
         seed=args.seed,
         layers=args.layers,
         experts=args.experts,
         expert_mb=args.expert_mb,
         d_model=args.d_model,
         top_k=args.top_k,
+        tokens=args.tokens,
         device_bytes=args.device_bytes,
         host_bytes=args.host_bytes,
         access_log=Path(args.access_log) if args.access_log else None,
         predictor=Path(args.predictor).expanduser().resolve() if args.predictor else None,
+        plot=Path(args.plot).expanduser().resolve() if args.plot else None,
+        prefetch_k=args.prefetch_k,
         progress=not args.no_progress,
     )
     result = run_demo(settings, log=lambda line: print(line, file=sys.stderr))
     if args.json:
         print(json.dumps(result["rows"], indent=1))
     else:
+        print(result["setup"]["header"])
         print(format_table(result["rows"]))
-        for row in result["rows"]:
-            if "predictor" in row:
-                print(format_predictor(row))
+        print(f"latency CDF: {result['setup']['plot']}")
     if not result["setup"]["outputs_match"]:
         print("cacheflow demo: error: the passes' outputs differ", file=sys.stderr)
         return 1
@@ -851,16 +854,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="serve an MoE model larger than the device budget: baseline vs cacheflow",
-        description="Build a Flax NNX mixture-of-experts model once (orbax checkpoint), then "
-        "serve one Zipf-routed request stream three ways: on-demand TensorStore reads "
-        "(baseline), through the tiered cache (cacheflow), and with every weight on the device "
-        "(all-resident). Prints hit ratios and per-step latency.",
+        help="serve a byte-level MoE on real text: on-demand reads vs the cache, with prefetch",
+        description="Build a Flax NNX mixture-of-experts model with a byte embedding once "
+        "(orbax checkpoint), record a warm-up on Python's help text, train the MLP predictor on "
+        "its access log, then serve the rest of the text five ways: on-demand TensorStore reads "
+        "(baseline), the tiered cache without prefetch (cacheflow), with layer-ahead prefetch "
+        "by the Markov baseline and by the MLP, and with every expert on the device "
+        "(all-resident). Prints L1 hits, L3 share, prefetch accuracy and coverage, and per-step "
+        "latency; saves a latency CDF.",
     )
     p.add_argument(
         "--workdir",
         metavar="DIR",
-        help="where the model checkpoint is built and reused "
+        help="where the model checkpoint is built and reused, with the run's files "
         "(default: $XDG_CACHE_HOME/cacheflow-jax/demo or ~/.cache/cacheflow-jax/demo)",
     )
     p.add_argument(
@@ -871,11 +877,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="measured steps per configuration (default: 200)",
     )
     p.add_argument(
+        "--record",
+        type=_positive_int,
+        default=300,
+        metavar="N",
+        help="warm-up steps recorded to train the MLP and prime the predictors (default: 300)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="bytes of text per step (default: 64)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
         metavar="S",
-        help="seed of the weights and of the request stream (default: 0)",
+        help="seed of the weights (default: 0)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument(
@@ -886,21 +906,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--predictor",
         metavar="DIR",
-        help="a predictor checkpoint (cacheflow train ... --out OUT writes OUT/checkpoint): after "
-        "the passes, replay the cacheflow pass's accesses through it and report the median "
-        "predict() time against the cacheflow pass's median step time",
+        help="serve cacheflow+mlp with this predictor checkpoint (cacheflow train ... --out OUT "
+        "writes OUT/checkpoint) instead of training one on the warm-up",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="where to save the latency CDF (PNG; default: latency_cdf.png beside the "
+        "checkpoint in the work directory)",
     )
     p.add_argument(
         "--device-bytes",
         type=parse_size,
         metavar="SIZE",
-        help="L1 budget, e.g. 24MiB (default: a sixth of the weights)",
+        help="L1 budget, e.g. 24MiB (default: a sixth of the experts)",
     )
     p.add_argument(
         "--host-bytes",
         type=parse_size,
         metavar="SIZE",
-        help="L2 budget (default: a third of the weights)",
+        help="L2 budget (default: half of the experts)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Sizes for tests and experiments; not part of the documented interface.
@@ -910,6 +935,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=_positive_int, default=512, help=argparse.SUPPRESS)
     p.add_argument("--top-k", type=_positive_int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=_nonnegative_int, default=5, help=argparse.SUPPRESS)
+    p.add_argument("--prefetch-k", type=_positive_int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(

@@ -102,38 +102,57 @@ def test_inspect_a_directory_that_is_not_a_store(
     assert code == 2 and str(tmp_path) in err and len(err.strip().splitlines()) == 1
 
 
+DEMO_ROWS = ["baseline", "cacheflow", "cacheflow+markov", "cacheflow+mlp", "all-resident"]
+
+
 def test_demo_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    log = tmp_path / "access.jsonl"
-    argv = ["demo", "--workdir", str(tmp_path / "w"), "--requests", "12", "--json"]
-    code, out, err = _run(capsys, *argv, *SMALL_DEMO, "--access-log", str(log))
+    log, plot = tmp_path / "access.jsonl", tmp_path / "cdf.png"
+    argv = ["demo", "--workdir", str(tmp_path / "w"), "--requests", "12", "--record", "60"]
+    code, out, err = _run(capsys, *argv, *SMALL_DEMO, "--access-log", str(log), "--plot",
+                          str(plot), "--json")  # fmt: skip
     assert code == 0, err
     rows = json.loads(out)
-    assert [r["name"] for r in rows] == ["baseline", "cacheflow", "all-resident"]
+    assert [r["name"] for r in rows] == DEMO_ROWS
     for row in rows:
-        for k in ("l1_hit_ratio", "p50_ms", "p95_ms", "p95_ratio_to_baseline"):
-            assert isinstance(row[k], float)
-        assert row["p50_ms"] > 0 and row["p95_ms"] >= row["p50_ms"]
+        for k in ("l1_hit_ratio", "host_hit_ratio", "l3_share", "prefetch_accuracy",
+                  "prefetch_coverage", "p50_ms", "p95_ms", "p95_ratio_to_baseline",
+                  "p95_ratio_to_resident", "mean_ms"):  # fmt: skip
+            assert isinstance(row[k], float), k
+        assert row["p50_ms"] > 0 and row["p95_ms"] >= row["p50_ms"] and row["steps"] == 12
     by = {r["name"]: r for r in rows}
     assert by["baseline"]["p95_ratio_to_baseline"] == 1.0
-    assert by["baseline"]["l1_hit_ratio"] == 0.0 and by["all-resident"]["l1_hit_ratio"] == 1.0
-    assert 0.0 <= by["cacheflow"]["l1_hit_ratio"] <= 1.0
-    assert "built" in err
+    assert by["all-resident"]["p95_ratio_to_resident"] == 1.0
+    assert by["baseline"]["l1_hit_ratio"] == 0.0 and by["baseline"]["l3_share"] == 1.0
+    assert by["all-resident"]["l1_hit_ratio"] == 1.0 and by["all-resident"]["l3_share"] == 0.0
+    for name in ("cacheflow", "cacheflow+markov", "cacheflow+mlp"):
+        row = by[name]
+        assert 0.0 <= row["l1_hit_ratio"] <= 1.0 and 0.0 <= row["l3_share"] <= 1.0
+        shares = row["l1_hit_ratio"] + row["host_hit_ratio"] + row["l3_share"]
+        assert shares == pytest.approx(1.0, abs=1e-3)
+    assert not by["cacheflow"]["prefetch"]["enabled"]
+    for name in ("cacheflow+markov", "cacheflow+mlp"):  # both predictors ran (<= once a layer)
+        pf = by[name]["prefetch"]
+        assert pf["enabled"] and 1 <= pf["predictions"] <= (12 + 2) * 2
+    assert "built" in err and "training the MLP predictor" in err and "trained in" in err
+    assert f"latency CDF saved to {plot}" in err and plot.stat().st_size > 0
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(records) == 14 * 2 * 6  # (12 + 2 warm-up) steps x 2 layers x 6 blocks
-    assert {"t", "key", "nbytes", "kind"} <= set(records[0]) and "@" in records[0]["key"]
+    assert len(records) == 14 * 2 * 2  # (12 + 2 warm-up) steps x 2 layers x top-2 experts
+    assert {"t", "key", "nbytes", "kind"} <= set(records[0])
+    first = records[0]["key"]
+    assert first.startswith("layers/0/experts/") and first.endswith("/w@0,0,0")
 
-    # A second run reuses the checkpoint, and prints the table.
+    # A second run reuses the checkpoint and the trained predictor, and prints the table.
+    trained = next((tmp_path / "w").glob("*/mlp/checkpoint"))
     code, out, err = _run(capsys, "demo", "--workdir", str(tmp_path / "w"), "--requests", "3",
-                          *SMALL_DEMO)  # fmt: skip
-    assert code == 0 and "reusing" in err
-    assert out.splitlines()[0].split() == [
-        "name",
-        "l1_hit_ratio",
-        "host_hit_ratio",
-        "p50_ms",
-        "p95_ms",
-        "p95_ratio_to_baseline",
-    ]
+                          "--record", "20", "--predictor", str(trained), *SMALL_DEMO)  # fmt: skip
+    assert code == 0, err
+    assert "reusing" in err and "training" not in err
+    lines = out.splitlines()
+    assert lines[0].startswith("JAX backend cpu, device ") and "a step = 64 bytes" in lines[0]
+    assert lines[1].split() == ["name", "L1", "hit", "to", "L3", "pf", "acc", "pf", "cov",
+                                "p50", "ms", "p95", "ms", "p95/base", "p95/resident"]  # fmt: skip
+    assert [line.split()[0] for line in lines[3:8]] == DEMO_ROWS
+    assert lines[8].startswith("latency CDF: ") and lines[8].endswith("latency_cdf.png")
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,17 @@ def test_examples_label_candidates_within_the_window() -> None:
     assert ex.mask[0].sum() == len(cands)
 
 
+def test_a_position_without_candidates_is_an_all_masked_example() -> None:
+    # The first access of a stream whose keys have no 1-d index proposes no candidate at all
+    # (no successor, no frontier): its example is empty, not an error.
+    keys = ["e@0,0", "f@0,0", "e@0,0"]
+    accesses = [predictor.Access(k, float(i), 1, "weight") for i, k in enumerate(keys)]
+    cfg = predictor.FeatureConfig(lookahead=2, max_candidates=8)
+    ex = train.build_examples(accesses, cfg, {"a": np.array([0, 1])})["a"]
+    assert ex.mask[0].sum() == 0 and ex.y[0].sum() == 0
+    assert ex.mask[1].sum() >= 1
+
+
 def test_training_overfits_a_tiny_log(tmp_path: Path) -> None:
     # A deterministic log (a cycle of 12 blocks): every label follows from the features.
     path = tmp_path / "cycle.jsonl"

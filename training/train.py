@@ -267,8 +267,9 @@ def build_examples(
             nxt = keys[i + 1] if i + 1 < end else None
             if ex.keys is not None:
                 ex.keys.append(cands)
-            ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
-            ex.mask[row, : len(cands)] = 1.0
+            if cands:  # none at a stream's first access when its key has no 1-d index
+                ex.y[row, : len(cands)] = [(key in window, key == nxt) for key in cands]
+                ex.mask[row, : len(cands)] = 1.0
     if progress is not None:
         # The walk stops at the last recorded position; the rest of the stream is done too.
         progress(len(accesses) - (last + 1) // 4096 * 4096)
