@@ -102,7 +102,8 @@ class DemoSettings:
       top_k: experts per layer per step.
       tokens: bytes of text per step.
       device_bytes: L1 budget (default: a sixth of the experts' bytes).
-      host_bytes: L2 budget (default: half of the experts' bytes).
+      host_bytes: L2 budget (default: three quarters of the experts' bytes: as in MoE offloading,
+        host memory holds most experts and the device a few).
       access_log: where to write the ``cacheflow`` pass's access log, if anywhere.
       predictor: an MLP predictor checkpoint (``cacheflow train ... --out OUT`` writes
         ``OUT/checkpoint``) to serve ``cacheflow+mlp`` with instead of training one.
@@ -488,7 +489,7 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
         mlp = load_checkpoint(settings.predictor, log)
     expert_total = config.layers * config.experts * config.expert_bytes
     device_bytes = expert_total // 6 if settings.device_bytes is None else settings.device_bytes
-    host_bytes = expert_total // 2 if settings.host_bytes is None else settings.host_bytes
+    host_bytes = expert_total * 3 // 4 if settings.host_bytes is None else settings.host_bytes
     largest = config.expert_bytes
     for flag, value in (("--device-bytes", device_bytes), ("--host-bytes", host_bytes)):
         if value < largest and not (flag == "--host-bytes" and value == 0):

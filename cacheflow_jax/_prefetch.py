@@ -23,8 +23,9 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
   apart (``promoted``), not in ``issued``: they read nothing from L3.
 * A demand access that finds its block still loading waits for that load (it is *late*); one
   that finds it resident is a hit (*timely*).
-* When accesses pile up faster than the worker takes them (a tight loop of hits, where there
-  is nothing to prefetch anyway), the worker takes at most ``max_duty`` of the time: it sleeps in
+* When accesses pile up faster than the worker takes them (more than a round's 32 waiting: a
+  tight loop of hits, where there is nothing to prefetch anyway), the worker takes at most
+  ``max_duty`` of the time: it sleeps in
   proportion to its work, so on a machine with few cores it does not starve the serving thread
   of the GIL. A serving loop that computes between its accesses (one ``get_many`` per layer, then
   the layer's math) finds the worker idle, and each batch is answered at once.
@@ -71,7 +72,7 @@ class PrefetchSettings:
         least the largest block.
       predict_budget_s: a ``predict`` slower than this (median of the last 16) turns prefetch off.
       max_duty: the largest share of time the live worker spends working while accesses pile
-        up (more than one batch waiting when it wakes).
+        up (more than a round's 32 waiting when it wakes).
       lead: replay only: a load issued at access ``i`` is usable from access ``i + lead`` on.
       keys_known: replay only: every key of the trace is in L3 from the start (weights); by
         default a key is fetchable only after its first access (KV blocks are written first).
@@ -268,7 +269,9 @@ class PrefetchWorker:
             if self._stop:
                 break
             start = time.perf_counter()
-            backlog = len(self.feed) > 1
+            # Accesses piled up past what one round takes (a tight loop of hits): throttle. A
+            # serving loop that computes between its batches never gets that far behind.
+            backlog = len(self.feed) > _ROUND
             while self.arrived:
                 key, future = self.arrived.popleft()
                 cache._prefetch_install(key, future)

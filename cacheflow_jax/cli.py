@@ -925,7 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-bytes",
         type=parse_size,
         metavar="SIZE",
-        help="L2 budget (default: half of the experts)",
+        help="L2 budget (default: three quarters of the experts)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Sizes for tests and experiments; not part of the documented interface.
