@@ -27,14 +27,16 @@ import threading
 import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import jax
 import numpy as np
 
 from cacheflow_jax._blocks import KEY_SEPARATOR, BlockInfo, BudgetError, Store
-from cacheflow_jax._policy import Policy, admit_all, get_policy
+from cacheflow_jax.policies import Policy, admit_all, get_policy
 from cacheflow_jax._tiers import PRESENT, AbstractTier, DeviceTier, HostTier
+
+if TYPE_CHECKING:  # JAX loads with the device tier, not here: replay runs without it
+    import jax
 
 DEVICE, HOST = 0, 1
 
@@ -779,6 +781,8 @@ def _error_of(future: Any) -> BaseException | None:
 
 
 def _to_host(value: Any) -> np.ndarray:
+    import jax
+
     return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else np.asarray(value)
 
 

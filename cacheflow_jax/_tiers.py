@@ -9,12 +9,14 @@ a transfer starts and released only after a block has left. Tiers are not thread
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from cacheflow_jax._blocks import BudgetError
+
+if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX
+    import jax
 
 # A value standing in for a block's bytes when the cache only tracks metadata (replay).
 PRESENT = True
@@ -70,10 +72,14 @@ class DeviceTier(AbstractTier):
     name = "device"
 
     def __init__(self, budget: int, *, device: jax.Device | None = None) -> None:
+        import jax
+
         super().__init__(budget, setting="device_bytes")
         self.device = device if device is not None else jax.devices()[0]
 
     def load(self, value: Any) -> jax.Array:
+        import jax
+
         if isinstance(value, jax.Array) and value.devices() == {self.device}:
             return value
         out = jax.device_put(value, self.device)
@@ -90,6 +96,8 @@ class HostTier(AbstractTier):
         super().__init__(budget, setting="host_bytes")
 
     def load(self, value: Any) -> np.ndarray:
+        import jax
+
         return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else value
 
 

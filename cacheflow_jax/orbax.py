@@ -35,7 +35,7 @@ import numpy as np
 
 from cacheflow_jax._blocks import ArrayInfo, block_key
 from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._policy import Policy
+from cacheflow_jax.policies import Policy
 from cacheflow_jax._store import TensorStoreStore, open_store
 
 __all__ = ["LazyArray", "materialize", "restore_lazy"]
