@@ -145,15 +145,24 @@ def _job(args: tuple) -> tuple:
 
 def run(
     traces: list[str], sizes: list[str], *, workers: int, settings: dict | None = None,
-    peers: bool = True,
+    reuse: dict | None = None,
 ) -> dict:
     """Replays every policy on every trace and size.
+
+    Args:
+      traces: trace files.
+      sizes: cache sizes (``5%`` or bytes).
+      workers: processes.
+      settings: module constants of the default policy to set in the workers.
+      reuse: a previous run's results; every policy but the default is taken from it when it
+        has the same trace and size (they do not depend on the default's constants).
 
     Returns:
       ``{trace path: {"meta": {...}, "miss_ratio": {size in bytes: {policy: miss ratio}}}}``;
       peers are labelled ``lcs:<name>``.
     """
     jobs, meta = [], {}
+    old = {os.path.basename(p): r["miss_ratio"] for p, r in (reuse or {}).items()}
     for path in traces:
         trace = read_trace(path)
         total = trace.distinct_bytes()
@@ -167,11 +176,18 @@ def run(
             "timed": trace.timed,
         }
         for size in byte_sizes:
-            jobs += [(path, "ours", name, size, settings or {}) for name in OURS]
-            if peers:
-                jobs += [(path, "peer", name, size, settings or {}) for name in PEERS]
+            known = old.get(os.path.basename(path), {}).get(str(size), {})
+            jobs += [(path, "ours", name, size, settings or {}) for name in OURS
+                     if name == DEFAULT or name not in known]
+            jobs += [(path, "peer", name, size, settings or {}) for name in PEERS
+                     if f"lcs:{name}" not in known]
     jobs.sort(key=lambda j: -meta[j[0]]["accesses"])  # longest first: the pool ends together
     results: dict = {p: {"meta": meta[p], "miss_ratio": {}} for p in traces}
+    for path in traces:
+        for size in meta[path]["sizes"].values():
+            known = old.get(os.path.basename(path), {}).get(str(size), {})
+            results[path]["miss_ratio"][str(size)] = {
+                k: v for k, v in known.items() if k != DEFAULT}
     with ProcessPoolExecutor(workers) as ex:
         for path, who, name, size, mr, secs in ex.map(_job, jobs):
             label = name if who == "ours" else f"lcs:{name}"
@@ -356,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a constant of the default policy (experiments)")
     parser.add_argument("--synthetic", action="store_true", help="add bench.synthetic's patterns")
     parser.add_argument("--demo", action="store_true", help="add the demo's access log")
+    parser.add_argument("--reuse", metavar="JSON",
+                        help="take every policy but the default from this earlier policies.json")
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
     os.makedirs(args.out, exist_ok=True)
@@ -373,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         traces.append(demo_log(args.out))
     settings = _settings(args.set)
     start = time.perf_counter()
-    results = run(traces, sizes, workers=args.workers, settings=settings)
+    reuse = None
+    if args.reuse:
+        with open(args.reuse) as f:
+            reuse = json.load(f)["results"]
+    results = run(traces, sizes, workers=args.workers, settings=settings, reuse=reuse)
     elapsed = time.perf_counter() - start
     rows = points(results)
     s = summary(rows)

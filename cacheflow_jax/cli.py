@@ -328,7 +328,8 @@ def _run_train(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------------------------
 # bench
 
-BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic")
+BENCHMARKS = ("hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
+              "replay_speed")
 
 
 def _run_bench(argv: Sequence[str]) -> int:

@@ -14,9 +14,9 @@ import random
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from _lfu_reference import ReferenceLfu
 from hypothesis import given, settings
 
-from _lfu_reference import ReferenceLfu
 from cacheflow_jax import lfu, lfu_plain, lru
 from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._replay import TraceStore, replay

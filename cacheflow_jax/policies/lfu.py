@@ -3,8 +3,8 @@
 The idea.
 
 * A key's *score* is a decayed count, ``s <- s * 2**(-dt / h) + 1`` per access, with a half-life
-  ``h`` of 4 accesses per resident block. Stored as ``log2(s) + t / h`` (t counts accesses), it
-  does not change while the key is idle, so two keys compare without touching the clock.
+  ``h`` of 4 accesses per block the cache holds. Stored as ``log2(s) + t / h`` (t counts
+  accesses), it does not change while the key is idle: keys compare without touching the clock.
 * Residents are split, as in W-TinyLFU (Caffeine), into a *window* that takes every newcomer in
   LRU order and a *main* part, an SLRU of probation and protected (80% of main) blocks.
 * When the window is full, its oldest block is a candidate for main. It enters main if its score
@@ -32,8 +32,8 @@ The idea.
   or, when it is in L1, L1 gives it up and L2 refuses it (``admit``). L1's victim, a block moving
   down to L2, is its block with the lowest score, so L1 keeps the most used blocks.
 
-Every constant here (0.8, 4, 8x, 2%, a cache's worth, halfway) was chosen on all 19 shared traces
-at 4 sizes each; docs/policies.md has the sweeps and what else was tried.
+Every constant here (0.8, a half-life of 4 caches, 8x, 2%, a cache's worth, halfway) was chosen
+on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and what else was tried.
 
 Cost per access: O(1) amortised. A hit is a few dict operations and one ``log2``; a miss adds a
 duel, a ghost and O(1) amortised trimming; the half-life is re-expressed (O(keys)) only when the
@@ -46,6 +46,7 @@ import dataclasses
 import heapq
 import math
 from collections import OrderedDict
+
 from cacheflow_jax.policies._base import Key, Policy, check_ttl
 
 PROTECTED = 0.8  # protected share of main (Caffeine's); 0.5 and 0.95 did no better over the set
@@ -123,7 +124,7 @@ def lfu(
       window: the window's share of the bytes. None (the default): adaptive, from 1% between 0
         (frequency-protected) and 1 (plain LRU). A number fixes it; 1.0 is exactly LRU.
       half_life: accesses after which an idle key's count halves. None (the default): 4 per
-        resident block. ``math.inf``: plain counts (no decay).
+        block the cache holds. ``math.inf``: plain counts (no decay).
       ttl: seconds without an access after which a block leaves L1/L2; None for no TTL.
       name: the name in stats.
 
@@ -215,6 +216,9 @@ def lfu(
             if key == state.drop:
                 state.drop = None  # the tier below had room after all
             return
+        ghost = state.ghosts.pop(key, None)  # usually taken out by its access already
+        if ghost is not None:
+            state.ghost_bytes -= ghost[0]
         if key not in state.score:  # inserted without an access (a prefetch): a fresh count
             state.score[key] = state.tick * state.rate
             state.before[key] = _NEVER
