@@ -21,10 +21,10 @@ import numpy as np
 
 from cacheflow_jax._blocks import ArrayInfo, BlockInfo, BudgetError
 from cacheflow_jax._cache import TieredCache
-from cacheflow_jax.policies import Policy, get_policy
-from cacheflow_jax.policies.belady import belady
 from cacheflow_jax._tiers import PRESENT, MetadataTier
 from cacheflow_jax._trace import Trace
+from cacheflow_jax.policies import Policy, get_policy
+from cacheflow_jax.policies.belady import belady
 
 _U8 = np.dtype(np.uint8)
 
