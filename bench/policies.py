@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--traces", nargs="+", help="trace files (default: every shared one)")
+    parser.add_argument("--traces", nargs="*",
+                        help="trace files (default: every shared one; none: only --synthetic)")
     parser.add_argument("--quick", action="store_true", help="the five shortest LIRS traces")
     parser.add_argument("--sizes", default="1%,5%,10%,20%")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
     os.makedirs(args.out, exist_ok=True)
-    if args.traces:
+    if args.traces is not None:
         traces = list(args.traces)
     else:
         traces = shared_traces()
