@@ -1,26 +1,39 @@
-"""Policy benchmark: miss-ratio curves of our policies, libCacheSim's peers and Belady.
+"""Policy benchmark: the default policy against LRU, every libCacheSim peer and Belady.
 
-Run: ``python -m bench.policies [--traces PATH ...] [--sizes 1%,5%,10%,20%] [--out bench/out]``
+Run: ``python -m bench.policies [--quick] [--traces PATH ...] [--sizes 1%,5%,10%,20%]
+[--out bench/out] [--set NAME=VALUE ...] [--synthetic] [--demo]`` (or ``cacheflow bench policies``).
 
-Besides the shared traces it replays an access log recorded from ``cacheflow demo`` (weights of a
-mixture-of-experts model, 1 MiB expert blocks); the log is recorded once into
-``<out>/demo_access.jsonl`` (``--no-demo`` skips it). ``--synthetic`` adds the textbook patterns
-of `bench.synthetic` (Zipf, moving hot sets, scans over a hot set, a loop, pure recency).
+By default it replays every shared trace with keys (the 19 of ``shared/traces/``; the Azure files
+list no keys) at 1/5/10/20% of each trace's distinct bytes, one tier (host bytes 0). Ours, through
+`cacheflow_jax.replay` (the live cache's objects): ``lfu`` (the default), ``lru`` and ``belady``
+(the offline optimum). The peers, through the ``libcachesim`` package on the same accesses with
+the same byte budgets, in the same run: LRU, ARC, LIRS, S3-FIFO, SIEVE, W-TinyLFU and LFU. Every
+policy sees each key with one size, the one replay gives it (its largest ``nbytes`` in the trace):
+a cached block has one size. libCacheSim's S3-FIFO needs at least 10 objects (its small queue is
+10% of the cache) and its W-TinyLFU at least 5; below that they are reported as n/a.
 
-For every trace it replays our policies through `cacheflow_jax.replay` (the live cache's objects)
-and the `libcachesim` package's LRU, ARC, LIRS, S3-FIFO, SIEVE, W-TinyLFU and LFU on the same
-accesses with the same byte budgets, in one run. Every policy sees each key with one size, the
-one replay gives it (its largest ``nbytes`` in the trace, `Trace.sizes`): a cached block has one
-size. (libCacheSim on its own keeps the size of the access that inserted an object, so where a
-trace's sizes vary per key, as in cloudPhysicsIO, its numbers differ; with the same sizes its LRU
-equals ours exactly.) It writes
-``policies.md`` (a table per trace), ``policies.json`` and ``mrc_<trace>.png`` under ``--out``.
-The "gap closed" column is ``(LRU - ours) / (LRU - Belady)``.
+It writes ``policies.md`` (the summary, then a table per trace), ``policies.json`` and
+``mrc_<trace>.png`` (a miss-ratio curve per trace) under ``--out``, and prints the summary:
+
+* the worst and the mean margin of ``lfu`` to the best peer (its miss ratio minus the lowest peer
+  miss ratio at that point; negative is better);
+* the points where ``lfu`` is at most the best peer, and within .005 of it;
+* the worst margin to LRU (libCacheSim's, which equals our ``lru``);
+* the mean share of the LRU -> Belady gap that ``lfu`` closes, ``(LRU - lfu) / (LRU - Belady)``,
+  over the points where LRU is at least .001 above Belady;
+* the five worst points.
+
+``--quick`` (for CI, about a minute on 2 cores) runs the five shortest LIRS traces only.
+``--set NAME=VALUE`` overrides a module constant of the default policy in the workers (for
+example ``--set HISTORY=4``): the constant sweeps in docs/policies.md were made this way.
+``--synthetic`` adds the textbook patterns of `bench.synthetic`; ``--demo`` adds an access log
+recorded from ``cacheflow demo`` (it needs JAX and builds the demo's checkpoint once).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -30,17 +43,60 @@ from concurrent.futures import ProcessPoolExecutor
 from cacheflow_jax._replay import replay
 from cacheflow_jax._trace import parse_size, read_trace
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
-DEFAULT_TRACES = [
-    os.path.join(SHARED, "mooncake_synthetic_trace.jsonl"),
-    os.path.join(SHARED, "cloudPhysicsIO.csv.gz"),
-]
-OURS = ["lfu", "lru", "lfu-plain"]
+DEFAULT = "lfu"
+OURS = [DEFAULT, "lru", "belady"]
 PEERS = ["LRU", "ARC", "LIRS", "S3FIFO", "Sieve", "WTinyLFU", "LFU"]
+# Smallest cache (objects, or bytes for sized traces) each libCacheSim peer accepts: below it
+# the library aborts the process (S3-FIFO: a small queue of 10% rounds to 0; W-TinyLFU: an
+# empty SLRU segment).
+PEER_MIN_SIZE = {"S3FIFO": 10, "WTinyLFU": 5}
+GAP_MIN = 0.001  # LRU - Belady below this: the gap-closed ratio would be noise
 
 
-def peer_miss_ratio(trace, name: str, size: int) -> float:
-    """The request miss ratio of a libCacheSim policy on ``trace`` with ``size`` bytes."""
+def shared_traces_dir() -> str:
+    """The shared trace folder: ``$CACHEFLOW_TRACES``, else ``shared/traces`` in a parent folder.
+
+    Raises:
+      FileNotFoundError: neither exists (the message says where it looked).
+    """
+    env = os.environ.get("CACHEFLOW_TRACES")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    looked = []
+    while True:
+        candidate = os.path.join(here, "shared", "traces")
+        looked.append(candidate)
+        if os.path.isdir(candidate):
+            return candidate
+        parent = os.path.dirname(here)
+        if parent == here:
+            raise FileNotFoundError(
+                "no shared traces folder; set CACHEFLOW_TRACES or pass --traces (looked in "
+                + ", ".join(looked) + ")"
+            )
+        here = parent
+
+
+def shared_traces() -> list[str]:
+    """Every shared trace with keys, sorted by name (the Azure files list no keys)."""
+    folder = shared_traces_dir()
+    names = [
+        n for n in sorted(os.listdir(folder))
+        if not n.startswith("AzureLLM") and not n.endswith(".md")
+    ]
+    return [os.path.join(folder, n) for n in names]
+
+
+QUICK = ["lirs_backf.txt.gz", "lirs_cpp.txt.gz", "lirs_cs.txt.gz", "lirs_gli.txt.gz",
+         "lirs_ps.txt.gz"]
+
+
+def peer_miss_ratio(trace, name: str, size: int) -> float | None:
+    """The request miss ratio of libCacheSim's ``name`` on ``trace`` with ``size`` bytes (None
+    where the peer cannot run at that size, see PEER_MIN_SIZE)."""
+    if size < PEER_MIN_SIZE.get(name, 0):
+        return None
     import libcachesim as lcs
 
     cache = getattr(lcs, name)(cache_size=size)
@@ -66,8 +122,18 @@ def _load(path: str):
     return _TRACE
 
 
+def _apply_settings(settings: dict[str, float]) -> None:
+    """Sets the default policy's module constants in this process (``--set``)."""
+    module = importlib.import_module(f"cacheflow_jax.policies.{DEFAULT}")
+    for name, value in settings.items():
+        if not hasattr(module, name):
+            raise SystemExit(f"--set {name}: cacheflow_jax.policies.{DEFAULT} has no such constant")
+        setattr(module, name, value)
+
+
 def _job(args: tuple) -> tuple:
-    path, who, name, size = args
+    path, who, name, size, settings = args
+    _apply_settings(settings)
     trace = _load(path)
     start = time.perf_counter()
     if who == "ours":
@@ -77,10 +143,26 @@ def _job(args: tuple) -> tuple:
     return path, who, name, size, mr, time.perf_counter() - start
 
 
-def run(traces: list[str], sizes: list[str], *, workers: int) -> dict:
-    """Runs every policy on every trace and size; returns {trace: {size: {policy: miss ratio}}}."""
-    jobs = []
-    meta = {}
+def run(
+    traces: list[str], sizes: list[str], *, workers: int, settings: dict | None = None,
+    reuse: dict | None = None,
+) -> dict:
+    """Replays every policy on every trace and size.
+
+    Args:
+      traces: trace files.
+      sizes: cache sizes (``5%`` or bytes).
+      workers: processes.
+      settings: module constants of the default policy to set in the workers.
+      reuse: a previous run's results; every policy but the default is taken from it when it
+        has the same trace and size (they do not depend on the default's constants).
+
+    Returns:
+      ``{trace path: {"meta": {...}, "miss_ratio": {size in bytes: {policy: miss ratio}}}}``;
+      peers are labelled ``lcs:<name>``.
+    """
+    jobs, meta = [], {}
+    old = {os.path.basename(p): r["miss_ratio"] for p, r in (reuse or {}).items()}
     for path in traces:
         trace = read_trace(path)
         total = trace.distinct_bytes()
@@ -90,27 +172,99 @@ def run(traces: list[str], sizes: list[str], *, workers: int) -> dict:
             "accesses": len(trace),
             "distinct_bytes": total,
             "sizes": dict(zip(sizes, byte_sizes)),
-            "compulsory": len(set(trace.keys)) / len(trace),
+            "compulsory": len(trace.sizes()) / len(trace),
+            "timed": trace.timed,
         }
         for size in byte_sizes:
-            for name in [*OURS, "belady"]:
-                jobs.append((path, "ours", name, size))
-            for name in PEERS:
-                jobs.append((path, "peer", name, size))
+            known = old.get(os.path.basename(path), {}).get(str(size), {})
+            jobs += [(path, "ours", name, size, settings or {}) for name in OURS
+                     if name == DEFAULT or name not in known]
+            jobs += [(path, "peer", name, size, settings or {}) for name in PEERS
+                     if f"lcs:{name}" not in known]
+    jobs.sort(key=lambda j: -meta[j[0]]["accesses"])  # longest first: the pool ends together
     results: dict = {p: {"meta": meta[p], "miss_ratio": {}} for p in traces}
+    for path in traces:
+        for size in meta[path]["sizes"].values():
+            known = old.get(os.path.basename(path), {}).get(str(size), {})
+            results[path]["miss_ratio"][str(size)] = {
+                k: v for k, v in known.items() if k != DEFAULT}
     with ProcessPoolExecutor(workers) as ex:
         for path, who, name, size, mr, secs in ex.map(_job, jobs):
             label = name if who == "ours" else f"lcs:{name}"
             results[path]["miss_ratio"].setdefault(str(size), {})[label] = mr
-            print(
-                f"{os.path.basename(path)} {label:14s} {size:>12d} {mr:.4f} ({secs:.1f} s)",
-                file=sys.stderr,
-            )
+            print(f"{os.path.basename(path)} {label:14s} {size:>12d} "
+                  f"{'n/a' if mr is None else f'{mr:.4f}'} ({secs:.1f} s)", file=sys.stderr)
     return results
 
 
+def points(results: dict) -> list[dict]:
+    """One row per (trace, size): ours, the best peer, LRU, Belady and the margins."""
+    rows = []
+    for path, res in results.items():
+        for label, size in res["meta"]["sizes"].items():
+            mr = res["miss_ratio"][str(size)]
+            peers = {n[4:]: v for n, v in mr.items() if n.startswith("lcs:") and v is not None}
+            if not peers:
+                continue
+            best = min(peers, key=peers.get)
+            ours, lru, opt = mr[DEFAULT], peers.get("LRU", mr["lru"]), mr["belady"]
+            rows.append({
+                "trace": os.path.basename(path), "size": label, "bytes": size,
+                "ours": ours, "best_peer": best, "best": peers[best],
+                "margin": ours - peers[best], "margin_lru": ours - lru, "lru": lru,
+                "belady": opt,
+                "gap_closed": (lru - ours) / (lru - opt) if lru - opt >= GAP_MIN else None,
+            })
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """The summary the issue asks for, over all points."""
+    margins = [r["margin"] for r in rows]
+    gaps = [r["gap_closed"] for r in rows if r["gap_closed"] is not None]
+    worst = sorted(rows, key=lambda r: -r["margin"])[:5]
+    return {
+        "points": len(rows),
+        "worst_margin_to_best_peer": max(margins),
+        "mean_margin_to_best_peer": sum(margins) / len(margins),
+        "points_at_or_below_best_peer": sum(m <= 0 for m in margins),
+        "points_within_005_of_best_peer": sum(m <= 0.005 for m in margins),
+        "worst_margin_to_lru": max(r["margin_lru"] for r in rows),
+        "mean_lru_to_belady_gap_closed": sum(gaps) / len(gaps) if gaps else None,
+        "worst_five": [
+            {k: r[k] for k in ("trace", "size", "ours", "best_peer", "best", "margin")}
+            for r in worst
+        ],
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The summary as a few lines of text (markdown)."""
+    lines = [
+        f"Summary over {s['points']} points (`{DEFAULT}` against the best libCacheSim peer at each):",
+        "",
+        f"- worst margin to the best peer: {s['worst_margin_to_best_peer']:+.4f}; "
+        f"mean: {s['mean_margin_to_best_peer']:+.5f}",
+        f"- points where `{DEFAULT}` <= the best peer: {s['points_at_or_below_best_peer']} of "
+        f"{s['points']}; within .005 of it: {s['points_within_005_of_best_peer']}",
+        f"- worst margin to LRU: {s['worst_margin_to_lru']:+.4f}",
+        "- mean share of the LRU -> Belady gap closed: "
+        + ("n/a" if s["mean_lru_to_belady_gap_closed"] is None
+           else f"{s['mean_lru_to_belady_gap_closed']:+.3f}"),
+        "",
+        "Worst five points:",
+        "",
+        "| trace | size | `lfu` | best peer | margin |",
+        "|---|---|---|---|---|",
+    ]
+    for w in s["worst_five"]:
+        lines.append(f"| {w['trace']} | {w['size']} | {w['ours']:.4f} | "
+                     f"{w['best']:.4f} ({w['best_peer']}) | {w['margin']:+.4f} |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict, sizes: list[str]) -> str:
-    """One table per trace: rows are policies, columns sizes; plus best peer and gap closed."""
+    """One table per trace: rows are policies, columns sizes; then best peer and margins."""
     out = []
     for path, res in results.items():
         meta = res["meta"]
@@ -119,37 +273,28 @@ def markdown(results: dict, sizes: list[str]) -> str:
         names = list(mr[cols[0]])
         out.append(f"### {os.path.basename(path)}\n")
         out.append(
-            f"{meta['accesses']} accesses, {meta['distinct_bytes']} distinct bytes, "
-            f"compulsory miss ratio {meta['compulsory']:.3f}. Miss ratios:\n"
+            f"{meta['accesses']} accesses, {meta['distinct_bytes']} distinct bytes, compulsory "
+            f"miss ratio {meta['compulsory']:.3f}"
+            + ("" if meta["timed"] else ", no timestamps (no TTL)") + ". Miss ratios:\n"
         )
         out.append("| policy | " + " | ".join(sizes) + " |")
         out.append("|---" * (len(sizes) + 1) + "|")
-        for name in sorted(names, key=lambda n: (n.startswith("lcs:"), n)):
-            out.append(f"| {name} | " + " | ".join(f"{mr[c][name]:.4f}" for c in cols) + " |")
-        best = []
-        gap = []
-        for c in cols:
-            peers = {n: v for n, v in mr[c].items() if n.startswith("lcs:")}
-            b = min(peers, key=peers.get)
-            best.append(f"{peers[b]:.4f} ({b[4:]})")
-            lru, ours, opt = mr[c]["lcs:LRU"], mr[c]["lfu"], mr[c]["belady"]
-            # n/a where LRU is already within 0.001 of the optimum: the ratio would be noise.
-            gap.append(f"{(lru - ours) / (lru - opt):+.3f}" if lru - opt >= 0.001 else "n/a")
-        out.append("| best peer | " + " | ".join(best) + " |")
-        out.append(
-            "| lfu - best peer | "
-            + " | ".join(
-                f"{mr[c]['lfu'] - min(v for n, v in mr[c].items() if n.startswith('lcs:')):+.4f}"
-                for c in cols
-            )
-            + " |"
-        )
-        out.append("| gap closed (LRU-lfu)/(LRU-Belady) | " + " | ".join(gap) + " |\n")
+        for name in sorted(names, key=lambda n: (n.startswith("lcs:"), n != DEFAULT, n)):
+            cells = ["n/a" if mr[c][name] is None else f"{mr[c][name]:.4f}" for c in cols]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        rows = {r["bytes"]: r for r in points({path: res})}
+        out.append("| best peer | " + " | ".join(
+            f"{rows[int(c)]['best']:.4f} ({rows[int(c)]['best_peer']})" for c in cols) + " |")
+        out.append(f"| {DEFAULT} - best peer | " + " | ".join(
+            f"{rows[int(c)]['margin']:+.4f}" for c in cols) + " |")
+        out.append("| gap closed (LRU-lfu)/(LRU-Belady) | " + " | ".join(
+            "n/a" if rows[int(c)]["gap_closed"] is None else f"{rows[int(c)]['gap_closed']:+.3f}"
+            for c in cols) + " |\n")
     return "\n".join(out)
 
 
 def plot(results: dict, sizes: list[str], out_dir: str) -> list[str]:
-    """A miss-ratio-curve PNG per trace."""
+    """A miss-ratio-curve PNG per trace; returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,15 +306,18 @@ def plot(results: dict, sizes: list[str], out_dir: str) -> list[str]:
         cols = [str(meta["sizes"][s]) for s in sizes]
         xs = [float(s.rstrip("%")) if s.endswith("%") else int(c) for s, c in zip(sizes, cols)]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        palette = plt.get_cmap("tab20").colors
-        for i, name in enumerate(res["miss_ratio"][cols[0]]):
+        palette = plt.get_cmap("tab10").colors
+        names = sorted(res["miss_ratio"][cols[0]], key=lambda n: (n != DEFAULT, n))
+        for i, name in enumerate(names):
             ys = [res["miss_ratio"][c][name] for c in cols]
-            if name == "lfu":  # ours, the default: the one line to look at
+            if any(y is None for y in ys):
+                continue
+            if name == DEFAULT:  # the one line to look at
                 style = {"color": "black", "linewidth": 2.8, "zorder": 5}
             elif name == "belady":
                 style = {"color": "tab:red", "linewidth": 2.0, "linestyle": ":"}
             else:
-                style = {"color": palette[(2 * i) % 20 + (i // 10) % 2], "linestyle": "--"}
+                style = {"color": palette[i % 10], "linestyle": "--"}
             ax.plot(xs, ys, marker="o", label=name, **style)
         ax.set_xlabel("cache size (% of distinct bytes)" if sizes[0].endswith("%") else "bytes")
         ax.set_ylabel("miss ratio")
@@ -178,7 +326,7 @@ def plot(results: dict, sizes: list[str], out_dir: str) -> list[str]:
         ax.legend(fontsize=8, ncol=2)
         name = "mrc_" + os.path.basename(path).split(".")[0] + ".png"
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        fig.savefig(os.path.join(out_dir, name), dpi=100)
         plt.close(fig)
         files.append(os.path.join(out_dir, name))
     return files
@@ -199,45 +347,75 @@ def demo_log(out_dir: str) -> str:
     return path
 
 
+def _settings(pairs: list[str]) -> dict[str, float]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: use NAME=VALUE, e.g. --set HISTORY=4")
+        out[name] = float(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.policies",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--traces", nargs="+", default=DEFAULT_TRACES)
+    parser.add_argument("--traces", nargs="*",
+                        help="trace files (default: every shared one; none: only --synthetic)")
+    parser.add_argument("--quick", action="store_true", help="the five shortest LIRS traces")
     parser.add_argument("--sizes", default="1%,5%,10%,20%")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--no-demo", action="store_true", help="skip the demo's access log")
-    parser.add_argument(
-        "--synthetic", action="store_true",
-        help="also replay bench.synthetic's patterns (zipf, phases, scan_hot, loop, recency)",
-    )
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="override a constant of the default policy (experiments)")
+    parser.add_argument("--synthetic", action="store_true", help="add bench.synthetic's patterns")
+    parser.add_argument("--demo", action="store_true", help="add the demo's access log")
+    parser.add_argument("--reuse", metavar="JSON",
+                        help="take every policy but the default from this earlier policies.json")
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
     os.makedirs(args.out, exist_ok=True)
-    traces = list(args.traces)
-    if not args.no_demo:
-        traces.append(demo_log(args.out))
+    if args.traces is not None:
+        traces = list(args.traces)
+    else:
+        traces = shared_traces()
+        if args.quick:
+            traces = [t for t in traces if os.path.basename(t) in QUICK]
     if args.synthetic:
         from bench.synthetic import write_all
 
         traces += write_all(os.path.join(args.out, "synthetic"))
-    results = run(traces, sizes, workers=args.workers)
-    table = markdown(results, sizes)
-    stamp = time.strftime("%Y-%m-%d")
+    if args.demo:
+        traces.append(demo_log(args.out))
+    settings = _settings(args.set)
+    start = time.perf_counter()
+    reuse = None
+    if args.reuse:
+        with open(args.reuse) as f:
+            reuse = json.load(f)["results"]
+    results = run(traces, sizes, workers=args.workers, settings=settings, reuse=reuse)
+    elapsed = time.perf_counter() - start
+    rows = points(results)
+    s = summary(rows)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    command = "python -m bench.policies " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
-        f"Policy benchmark, {stamp}, `python -m bench.policies --sizes {args.sizes}`. "
-        "Object miss ratios, single tier (host bytes 0).\n\n"
+        f"Policy benchmark, {stamp}, `{command.strip()}`, {elapsed:.0f} s with {args.workers} "
+        f"workers (load average {os.getloadavg()[0]:.1f}). Object miss ratios, one tier."
+        + (f" Constants set: {settings}." if settings else "") + "\n\n"
     )
+    text = header + format_summary(s) + "\n\n" + markdown(results, sizes)
     with open(os.path.join(args.out, "policies.md"), "w") as f:
-        f.write(header + table)
+        f.write(text)
     with open(os.path.join(args.out, "policies.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump({"summary": s, "points": rows, "results": results, "settings": settings,
+                   "elapsed_s": elapsed}, f, indent=1)
     files = plot(results, sizes, args.out)
-    print(header + table)
-    print("wrote", ", ".join(files))
+    print(header + format_summary(s))
+    print(f"\nwrote {os.path.join(args.out, 'policies.md')} and {len(files)} miss-ratio curves")
     return 0
 
 

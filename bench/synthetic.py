@@ -1,8 +1,8 @@
 """Synthetic access patterns that stress one side of a policy each, written as one-key-per-line text.
 
 Run: ``python -m bench.synthetic [--out bench/out/synthetic]`` (``bench.policies --synthetic`` calls
-it). The shared traces are two; a policy tuned on them alone can fail on a textbook pattern, so
-the policy benchmark also replays these (seeded, 100,000 accesses each, unit sizes):
+it). Besides the 19 shared traces, the policy benchmark can replay these textbook patterns, one
+side of a policy each (seeded, 100,000 accesses each, unit sizes, one key per line: no clock):
 
 * ``zipf``: independent draws from a Zipf(0.9) popularity over 20,000 keys (frequency wins).
 * ``phases``: five phases of 20,000 accesses, each a Zipf(0.8) over its own 3,000 keys (the hot set

@@ -6,7 +6,8 @@ Public surface (docs/design.md has the contracts): `open_store`, `write_store`, 
 `cacheflow` (`cacheflow --help`).
 """
 
-from cacheflow_jax import orbax  # noqa: E402  (cfj.orbax.restore_lazy)
+import importlib
+
 from cacheflow_jax._blocks import (
     ArrayInfo,
     BlockInfo,
@@ -20,11 +21,38 @@ from cacheflow_jax._blocks import (
     parse_key,
 )
 from cacheflow_jax._cache import TieredCache, kind_of
-from cacheflow_jax._policy import Policy, get_policy, lfu, lfu_plain, lru
 from cacheflow_jax._prefetch import PrefetchSettings
-from cacheflow_jax._serving import ServingSession, serving
-from cacheflow_jax._store import TensorStoreStore, open_store, write_store
-from cacheflow_jax.orbax import LazyArray, materialize, restore_lazy
+from cacheflow_jax.policies import Policy, get_policy, lfu, lfu_plain, lru
+
+# Names from modules that import JAX, TensorStore or orbax load on first use, so that the pure
+# Python parts (policies, replay: `cacheflow replay`) start without paying a second for JAX.
+_LAZY = {
+    "orbax": ("cacheflow_jax.orbax", None),
+    "LazyArray": ("cacheflow_jax.orbax", "LazyArray"),
+    "materialize": ("cacheflow_jax.orbax", "materialize"),
+    "restore_lazy": ("cacheflow_jax.orbax", "restore_lazy"),
+    "ServingSession": ("cacheflow_jax._serving", "ServingSession"),
+    "serving": ("cacheflow_jax._serving", "serving"),
+    "TensorStoreStore": ("cacheflow_jax._store", "TensorStoreStore"),
+    "open_store": ("cacheflow_jax._store", "open_store"),
+    "write_store": ("cacheflow_jax._store", "write_store"),
+}
+
+
+def __getattr__(name: str) -> object:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'cacheflow_jax' has no attribute {name!r}") from None
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __version__ = "0.1.0"
 

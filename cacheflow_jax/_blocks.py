@@ -11,15 +11,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import jax
 import numpy as np
+
+if TYPE_CHECKING:  # this module stays free of JAX: replay imports it without paying for JAX
+    import jax
+
+    # An entry of a stored pytree's key path: a dict key or a list index.
+    KeyKind = jax.tree_util.DictKey | jax.tree_util.SequenceKey
 
 KEY_SEPARATOR = "@"
 
-# An entry of a stored pytree's key path: a dict key or a list index.
-KeyKind = jax.tree_util.DictKey | jax.tree_util.SequenceKey
+# L3 operations have deadlines (see TieredCache(l3_timeout=) and open_store(timeout=)), and object
+# stores retry failed requests a bounded number of times (see `_locations.store_context`).
+DEFAULT_TIMEOUT = 60.0  # seconds for one L3 operation (an open, a block read, a write-back)
+DEFAULT_RETRIES = 3  # retries of one failed object-store request, 0.1 s to 2 s apart
 
 HOW_TO_REPAIR = (
     "The stored bytes are damaged; re-write the store from its source "

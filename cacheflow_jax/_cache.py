@@ -24,19 +24,24 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import sys
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
-from cacheflow_jax._blocks import BlockInfo, BudgetError, Store, StoreError, StoreTimeoutError
-from cacheflow_jax._locations import DEFAULT_TIMEOUT
+from cacheflow_jax._blocks import (
+    DEFAULT_TIMEOUT,
+    BlockInfo,
+    BudgetError,
+    Store,
+    StoreError,
+    StoreTimeoutError,
+)
 from cacheflow_jax._planner import REFUSED, Planner
-from cacheflow_jax._policy import Policy, get_policy
 from cacheflow_jax._prefetch import (
     PrefetchScheduler,
     PrefetchSettings,
@@ -44,8 +49,6 @@ from cacheflow_jax._prefetch import (
     new_counters,
 )
 from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
-from cacheflow_jax._slab import make_device_tier
-from cacheflow_jax._store import TensorStoreStore, fit_blocks
 from cacheflow_jax._tiers import (
     PRESENT,
     AbstractTier,
@@ -53,9 +56,13 @@ from cacheflow_jax._tiers import (
     MetadataTier,
     check_device_dtype,
 )
+from cacheflow_jax.policies import Policy, get_policy
 
 if TYPE_CHECKING:
     from predictor import Predictor
+
+if TYPE_CHECKING:  # JAX loads with the device tier, not here: replay runs without it
+    import jax
 
 DEVICE, HOST = 0, 1
 
@@ -163,8 +170,13 @@ class TieredCache:
         line_bytes: int | None = None,
         block_bytes: int | None = None,
     ) -> None:
-        store = fit_blocks(store, device_bytes, block_bytes)
+        if block_bytes is not None or _tensorstore_store(store):
+            from cacheflow_jax._store import fit_blocks
+
+            store = fit_blocks(store, device_bytes, block_bytes)
         if tiers is None:
+            from cacheflow_jax._slab import make_device_tier  # JAX comes with the device tier
+
             tiers = [
                 make_device_tier(device_layout, device_bytes, store=store, line_bytes=line_bytes,
                                  device=device),
@@ -196,7 +208,7 @@ class TieredCache:
         self._check_dtypes = not isinstance(self._tiers[DEVICE], MetadataTier)
         self._writeback_bytes = int(writeback_bytes)
         self.store = store
-        if isinstance(store, TensorStoreStore):
+        if _tensorstore_store(store):
             store.add_sibling_listener(self._take_siblings)
         self.policy = get_policy(policy)
         if prefetch is not None and not isinstance(prefetch, PrefetchSettings):
@@ -1363,9 +1375,7 @@ class TieredCache:
                 info = self.info(key)
             except KeyError:
                 return "skip"
-            if self._check_dtypes and np.dtype(info.dtype) != jax.dtypes.canonicalize_dtype(
-                info.dtype
-            ):
+            if self._check_dtypes and _narrowed(info.dtype):
                 return "skip"  # a demand get raises DtypeError for it; a prefetch must not
             if self._pf_inflight + info.nbytes > self._pf_limit:
                 return "full"
@@ -1525,7 +1535,7 @@ class TieredCache:
             tiers = {t.name: {"used": t.used, "budget": t.budget, "blocks": len(t.entries)}
                      for t in self._tiers}  # fmt: skip
             policy = self._planner.describe()
-        if isinstance(self.store, TensorStoreStore):
+        if _tensorstore_store(self.store):
             l3.update(self.store.read_stats())  # bytes read vs served (read amplification)
         requests = n["device"] + n["host"] + n["miss"]
         scheduler = self._pf_scheduler
@@ -1720,6 +1730,8 @@ def _error_of(future: Any) -> BaseException | None:
 
 def _as_block(key: str, array: Any) -> Any:
     """``array`` as a numeric numpy or JAX array that the device holds exactly, else an error."""
+    import jax
+
     if not isinstance(array, jax.Array | np.ndarray):
         try:
             typed = isinstance(array, np.generic)  # a numpy scalar has a dtype of its own
@@ -1743,7 +1755,23 @@ def _as_block(key: str, array: Any) -> Any:
     return array
 
 
+def _tensorstore_store(store: Any) -> bool:
+    """Whether ``store`` is a `TensorStoreStore` (without importing TensorStore to find out:
+    if the store module was never imported, no such store exists)."""
+    module = sys.modules.get("cacheflow_jax._store")
+    return module is not None and isinstance(store, module.TensorStoreStore)
+
+
+def _narrowed(dtype: Any) -> bool:
+    """Whether JAX would narrow ``dtype`` on the way to the device (64-bit, x64 off)."""
+    import jax
+
+    return np.dtype(dtype) != jax.dtypes.canonicalize_dtype(dtype)
+
+
 def _to_host(value: Any) -> np.ndarray:
+    import jax
+
     return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else np.asarray(value)
 
 

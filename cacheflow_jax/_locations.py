@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from cacheflow_jax._blocks import StoreError
+from cacheflow_jax._blocks import DEFAULT_RETRIES, DEFAULT_TIMEOUT, StoreError  # noqa: F401
 from cacheflow_jax._futures import Deadline, _result
 
 # One context for every store in the process.
@@ -42,8 +42,6 @@ _CONTEXT = ts.Context(_CONTEXT_SPEC)
 # L3 operations have deadlines (see TieredCache(l3_timeout=) and open_store(timeout=)). Object
 # stores also retry failed requests; TensorStore's default is 32 retries with backoff, about 11
 # minutes against a dead endpoint, far past any deadline. A store's context bounds them.
-DEFAULT_TIMEOUT = 60.0  # seconds for one L3 operation (an open, a block read, a write-back)
-DEFAULT_RETRIES = 3  # retries of one failed object-store request, 0.1 s to 2 s apart
 _CONTEXTS: dict[int, ts.Context] = {}
 
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from cacheflow_jax._blocks import ArrayInfo, KeyKind, StoreError
+from cacheflow_jax._blocks import ArrayInfo, StoreError
 from cacheflow_jax._futures import Deadline, _result, _wait_all
+
+if TYPE_CHECKING:
+    from cacheflow_jax._blocks import KeyKind
 from cacheflow_jax._locations import _CONTEXT_SPEC, _join, _list, _location, _open_kvstore
 from cacheflow_jax._subblocks import raw_chunk_layout
 

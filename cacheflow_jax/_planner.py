@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cacheflow_jax._policy import Policy, admit_all
+from cacheflow_jax.policies import Policy, admit_all
 
 DEVICE, HOST = 0, 1
 

@@ -15,7 +15,6 @@ import urllib.parse
 import zlib
 
 import numpy as np
-import tensorstore as ts
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError
 
@@ -42,6 +41,8 @@ def _numeric(dtype: np.dtype) -> bool:
     if dtype.kind in "OUSM" or dtype.names is not None or dtype.type is np.void:
         return False
     try:
+        import tensorstore as ts  # here: replay imports this module without TensorStore
+
         ts.dtype(dtype)
     except (TypeError, ValueError):
         return False

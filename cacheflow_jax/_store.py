@@ -51,7 +51,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -62,7 +62,6 @@ from cacheflow_jax._blocks import (
     KEY_SEPARATOR,
     ArrayInfo,
     BlockInfo,
-    KeyKind,
     StoreError,
     block_key,
 )
@@ -129,6 +128,9 @@ from cacheflow_jax._subblocks import (
     raw_chunk_layout,
     sub_block_shape,
 )
+
+if TYPE_CHECKING:
+    from cacheflow_jax._blocks import KeyKind
 
 __all__ = ["TensorStoreStore", "chunk_shape_for", "open_store", "write_store"]
 

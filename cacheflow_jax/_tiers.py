@@ -9,12 +9,14 @@ a transfer starts and released only after a block has left. Tiers are not thread
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from cacheflow_jax._blocks import BudgetError, DtypeError
+
+if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX
+    import jax
 
 # A value standing in for a block's bytes when the cache only tracks metadata (replay).
 PRESENT = True
@@ -27,6 +29,8 @@ def check_device_dtype(dtype: np.dtype, key: str) -> None:
     arrays (int64 -> int32, float64 -> float32, complex128 -> complex64); a cache must never
     serve or write back such a changed block.
     """
+    import jax
+
     dtype = np.dtype(dtype)
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
         narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
@@ -88,10 +92,14 @@ class DeviceTier(AbstractTier):
     name = "device"
 
     def __init__(self, budget: int, *, device: jax.Device | None = None) -> None:
+        import jax
+
         super().__init__(budget, setting="device_bytes")
         self.device = device if device is not None else jax.devices()[0]
 
     def load(self, value: Any) -> jax.Array:
+        import jax
+
         if isinstance(value, jax.Array) and value.devices() == {self.device}:
             return value
         out = jax.device_put(value, self.device)
@@ -110,6 +118,8 @@ class HostTier(AbstractTier):
         super().__init__(budget, setting="host_bytes")
 
     def load(self, value: Any) -> np.ndarray:
+        import jax
+
         return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else value
 
 

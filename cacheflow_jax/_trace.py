@@ -9,7 +9,8 @@ Formats:
   size by default).
 * ``libcachesim-csv``: a CSV as libCacheSim reads it, with a column spec such as
   ``"time=2,key=5,size=4,header=true"`` (1-based columns, like libCacheSim's ``-t``).
-* ``txt``: one key per line, unit size, ``t`` = line number.
+* ``txt``: one key per line, unit size. It has no clock: ``t`` is the line number and
+  `Trace.timed` is False (replay then applies no TTL).
 
 Gzip input (by its magic bytes) is read transparently. A malformed line is a `TraceFormatError`
 naming the file and the line number; nothing is skipped silently.
@@ -52,17 +53,28 @@ class Trace:
     nbytes: np.ndarray  # int64 > 0
     kinds: list[str]
     reqs: list[str | None]
+    timed: bool = True  # False: the format has no clock and ``t`` is the access index
+    _sizes: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def sizes(self) -> dict[str, int]:
-        """Each distinct key's size (its largest ``nbytes`` in the trace)."""
-        out: dict[str, int] = {}
-        for key, n in zip(self.keys, self.nbytes.tolist()):
-            if n > out.get(key, 0):
-                out[key] = n
-        return out
+        """Each distinct key's size (its largest ``nbytes`` in the trace), in first-access order.
+
+        Computed once per trace (a `Trace` is not changed after it is read).
+        """
+        if self._sizes is None:
+            nbytes = self.nbytes
+            if len(nbytes) and nbytes.min() == nbytes.max():  # one size for all: no loop
+                self._sizes = dict.fromkeys(self.keys, int(nbytes[0]))
+            else:
+                out: dict[str, int] = {}
+                for key, n in zip(self.keys, nbytes.tolist()):
+                    if n > out.get(key, 0):
+                        out[key] = n
+                self._sizes = out
+        return self._sizes
 
     def distinct_bytes(self) -> int:
         """The bytes of all distinct keys: the size of a cache that never misses twice."""
@@ -87,6 +99,7 @@ class Trace:
             self.nbytes[start:stop],
             self.kinds[start:stop],
             self.reqs[start:stop],
+            self.timed,
         )
 
 
@@ -165,11 +178,14 @@ def read_trace(
         "txt": _read_txt,
     }[fmt]
     with _open_text(path) as f:
-        reader(f, path, cols, limit=limit, block_bytes=block_bytes, csv_spec=csv_spec)
+        clock = reader(f, path, cols, limit=limit, block_bytes=block_bytes, csv_spec=csv_spec)
     t, keys, nbytes, kinds, reqs = cols
     if not keys:
         raise ValueError(f"trace {path} ({fmt}) holds no accesses; give a non-empty trace")
-    return Trace(path, np.asarray(t, np.float64), keys, np.asarray(nbytes, np.int64), kinds, reqs)
+    return Trace(
+        path, np.asarray(t, np.float64), keys, np.asarray(nbytes, np.int64), kinds, reqs,
+        timed=clock is not False,
+    )
 
 
 def _fail(path: str, line: int, what: str) -> TraceFormatError:
@@ -271,15 +287,16 @@ def _read_mooncake(f, path: str, cols: tuple, *, limit: int | None, block_bytes:
         if t < last_t:
             raise _fail(path, lineno, f"timestamp {ts} goes back in time")
         last_t = t
-        req = f"r{lineno}"
-        for h in ids:
-            if limit is not None and len(k_col) >= limit:
-                return
-            t_col.append(t)
-            k_col.append(f"kv:{h}")
-            n_col.append(block_bytes)
-            kind_col.append("kv")
-            r_col.append(req)
+        if limit is not None:
+            ids = ids[: max(limit - len(k_col), 0)]
+        n = len(ids)
+        k_col.extend([f"kv:{h}" for h in ids])
+        t_col.extend([t] * n)
+        n_col.extend([block_bytes] * n)
+        kind_col.extend(["kv"] * n)
+        r_col.extend([f"r{lineno}"] * n)
+        if limit is not None and len(k_col) >= limit:
+            return
 
 
 def parse_csv_spec(spec: str | None) -> dict:
@@ -304,12 +321,13 @@ def parse_csv_spec(spec: str | None) -> dict:
     return out
 
 
-def _read_csv(f, path: str, cols: tuple, *, limit: int | None, csv_spec: str | None, **_) -> None:
+def _read_csv(f, path: str, cols: tuple, *, limit: int | None, csv_spec: str | None, **_) -> bool:
+    """Reads the rows; returns whether the CSV has a time column (else ``t`` is the row index)."""
     spec = parse_csv_spec(csv_spec)
     reader = csv.reader(f, delimiter=spec["delim"])
     first = next(reader, None)
     if first is None:
-        return
+        return spec["time"] is not None
     names = [c.strip().lower() for c in first]
     has_header = spec["header"]
     if has_header is None:
@@ -328,7 +346,7 @@ def _read_csv(f, path: str, cols: tuple, *, limit: int | None, csv_spec: str | N
     tc, kc, sc = spec["time"], spec["key"], spec["size"]
     for lineno, fields in enumerate(rows, start):
         if limit is not None and len(cols[1]) >= limit:
-            return
+            break
         try:
             t = float(fields[tc]) if tc is not None else float(lineno - start)
             key = fields[kc].strip()
@@ -343,6 +361,7 @@ def _read_csv(f, path: str, cols: tuple, *, limit: int | None, csv_spec: str | N
             raise _fail(path, lineno, f"size {size} is more than {MAX_NBYTES} (256 TiB)")
         last_t = max(last_t, t)  # libCacheSim tolerates small reorderings; keep t monotone
         _append(cols, (last_t, key, size, "other", None))
+    return tc is not None
 
 
 def _chain_first_row(first: list, reader) -> Iterator[list]:
@@ -358,14 +377,20 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _read_txt(f, path: str, cols: tuple, *, limit: int | None, **_) -> None:
+def _read_txt(f, path: str, cols: tuple, *, limit: int | None, **_) -> bool:
+    """Reads one key per line; returns False: the format has no clock (``t`` is the index)."""
+    blank = 0  # the first empty line seen: allowed only at the end of the file
     for lineno, text in enumerate(f, 1):
         if limit is not None and len(cols[1]) >= limit:
-            return
+            break
         key = text.strip()
         if not key:
-            raise _fail(path, lineno, "empty line; one key per line expected")
+            blank = blank or lineno
+            continue
+        if blank:
+            raise _fail(path, blank, "empty line; one key per line expected")
         _append(cols, (float(lineno - 1), key, 1, "other", None))
+    return False
 
 
 def parse_size(

@@ -48,9 +48,9 @@ from cacheflow_jax._blocks import ArrayInfo, StoreError, block_key
 from cacheflow_jax._budgets import default_budgets
 from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._orbax_open import ORBAX_MARKERS as _ORBAX_MARKERS
-from cacheflow_jax._policy import Policy
 from cacheflow_jax._store import TensorStoreStore, open_store
 from cacheflow_jax._verify import verify_checkpoint
+from cacheflow_jax.policies import Policy
 
 __all__ = ["LazyArray", "default_budgets", "materialize", "restore_lazy", "verify_checkpoint"]
 

@@ -1,273 +1,314 @@
-"""Unit tests of the policies in `cacheflow_jax._policy`, driven the way `TieredCache` drives them."""
+"""The policies: one contract suite for all, the default's rules, and the default against a slow
+reference implementation (property tests).
+
+The contract suite drives each policy through the real `TieredCache` (metadata tiers, as replay
+does): budgets hold at every step with one tier and with two; tiers stay exclusive; a TTL runs on
+the cache's clock; and under simple patterns each policy gives up the blocks it says it will.
+"""
 
 from __future__ import annotations
 
 import math
 import random
 
+import hypothesis.strategies as st
+import numpy as np
 import pytest
+from _lfu_reference import ReferenceLfu
+from hypothesis import given, settings
 
-from cacheflow_jax._policy import (
-    _GBYTES,
-    _GWINDOW,
-    _WINDOW,
-    _share,
-    get_policy,
-    lfu,
-    lfu_plain,
-    lru,
+from cacheflow_jax import lfu, lfu_plain, lru
+from cacheflow_jax._cache import TieredCache
+from cacheflow_jax._replay import TraceStore, replay
+from cacheflow_jax._tiers import MetadataTier
+from cacheflow_jax._trace import Trace
+from cacheflow_jax.policies import POLICIES, get_policy
+from cacheflow_jax.policies.belady import belady
+
+ALL = ["lru", "lfu", "lfu-plain", "belady"]
+ONLINE = ["lru", "lfu", "lfu-plain"]  # belady knows the future and has no TTL
+
+
+def _trace(keys: list[str], sizes: dict[str, int] | None = None, *, timed: bool = True) -> Trace:
+    n = len(keys)
+    return Trace(
+        "test", np.arange(n, dtype=np.float64), list(keys),
+        np.asarray([sizes[k] if sizes else 1 for k in keys], np.int64),
+        ["other"] * n, [None] * n, timed,
+    )
+
+
+def _policy(name: str, trace: Trace, **settings):
+    return belady(trace) if name == "belady" else get_policy(name, **settings)
+
+
+def _cache(policy, trace: Trace, device: int, host: int, clock=None) -> TieredCache:
+    now = [0.0]
+    return TieredCache(
+        TraceStore(trace), device_bytes=device, host_bytes=host, policy=policy,
+        clock=clock or (lambda: now[0]), read_buffer=1,
+        tiers=[MetadataTier(device, name="device", setting="device_bytes"),
+               MetadataTier(host, name="host", setting="host_bytes")],
+    )
+
+
+def _resident(cache: TieredCache) -> set[str]:
+    return {k for tier in cache._tiers for k in tier.entries}
+
+
+# ------------------------------------------------------------------------- contract suite
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=25, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 30), min_size=1, max_size=300),
+    sizes=st.lists(st.integers(1, 9), min_size=31, max_size=31),
+    device=st.integers(9, 40),
+    host=st.sampled_from([0, 9, 30]),
 )
+def test_budgets_hold_and_tiers_stay_exclusive(name, keys, sizes, device, host):
+    keys = [f"k{k}" for k in keys]
+    size_of = {f"k{i}": n for i, n in enumerate(sizes)}
+    trace = _trace(keys, size_of)
+    cache = _cache(_policy(name, trace), trace, device, host)
+    for t, key in enumerate(keys):
+        cache.access_sync(key, float(t))
+        cache.check_budgets()
+        device_keys, host_keys = (set(tier.entries) for tier in cache._tiers)
+        assert not device_keys & host_keys
+    stats = cache.stats()
+    assert stats["requests"] == len(keys)
+    assert stats["hits"]["device"] + stats["hits"]["host"] + stats["misses"] == len(keys)
 
 
-def _drive(policy, keys, capacity, now=None):
-    """Single tier, unit sizes, the call order of `TieredCache._room_sync`; returns misses."""
-    state = policy.init(1)
-    resident: set = set()
-    misses = 0
-    for i, key in enumerate(keys):
-        t = float(i) if now is None else now(i)
-        policy.access(state, key, t)
-        for k in policy.expired(state, 0, t):
-            policy.remove(state, 0, k)
-            resident.discard(k)
-        if key in resident:
-            continue
-        misses += 1
-        admitted = True
-        while len(resident) >= capacity:
-            v = policy.victim(state, 0)
-            assert v in resident
-            if not policy.admit(state, key, v):
-                admitted = False
-                break
-            policy.remove(state, 0, v)
-            resident.discard(v)
-        if admitted:
-            policy.insert(state, 0, key, t)
-            resident.add(key)
-    return misses, state, resident
+@pytest.mark.parametrize("name", ALL)
+def test_a_scan_does_not_flush_the_hot_set_except_under_lru(name):
+    hot = [f"h{i}" for i in range(10)]
+    scan = [f"s{i}" for i in range(300)]
+    keys = hot * 10 + scan + hot  # the hot set is used again after the scan (Belady sees it)
+    trace = _trace(keys)
+    cache = _cache(_policy(name, trace), trace, 20, 0)
+    for t, key in enumerate(keys[: -len(hot)]):
+        cache.access_sync(key, float(t))
+    kept = set(hot) & _resident(cache)
+    if name == "lru":
+        assert not kept  # LRU keeps the 20 most recent: all of them scan blocks
+    else:
+        assert kept == set(hot)
 
 
-def _zipf_keys(n, seed=0):
-    rng = random.Random(seed)
-    return [f"k{int(rng.paretovariate(0.8)) % 200}" for _ in range(n)]
+@pytest.mark.parametrize("name", ALL)
+def test_a_loop_larger_than_the_cache_keeps_part_of_itself_except_under_lru(name):
+    keys = [f"k{i}" for i in range(120)] * 20
+    trace = _trace(keys)
+    misses = replay(trace, device_bytes=100, host_bytes=0, policy=_policy(name, trace))["misses"]
+    if name == "lru":
+        assert misses == len(keys)  # each block is evicted just before its turn comes
+    else:
+        assert misses < 0.5 * len(keys)
 
 
-def test_window_one_is_exact_lru():
-    keys = _zipf_keys(3000)
+@pytest.mark.parametrize("name", ONLINE)
+@pytest.mark.parametrize("host", [0, 64])
+def test_ttl_runs_on_the_cache_clock(name, host):
+    now = [0.0]
+    keys = [f"k{i}" for i in range(4)]
+    trace = _trace(keys)
+    cache = _cache(get_policy(name, ttl=10.0), trace, 64, host, clock=lambda: now[0])
+    for key in keys:
+        cache.access_sync(key, 0.0)
+    now[0] = 6.0
+    cache.access_sync("k0", 6.0)  # k0 stays in use
+    assert _resident(cache) == set(keys)
+    for t in (9.0, 12.0, 13.0, 14.0):  # ttl 10: gone by 10 * 9/8 plus the cache's check period
+        cache.access_sync("k0", t)
+    assert _resident(cache) == {"k0"}
+
+
+@pytest.mark.parametrize("name", ONLINE)
+def test_no_ttl_means_idle_blocks_stay(name):
+    trace = _trace(["a", "b"])
+    cache = _cache(get_policy(name, ttl=None), trace, 8, 0)
+    cache.access_sync("a", 0.0)
+    cache.access_sync("b", 1e9)
+    assert _resident(cache) == {"a", "b"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_two_tiers_hold_what_one_tier_of_the_sum_holds(name):
+    rng = random.Random(5)
+    keys = [f"k{int(rng.paretovariate(0.9)) % 300}" for _ in range(6000)]
+    trace = _trace(keys)
+    one = replay(trace, device_bytes=100, host_bytes=0, policy=_policy(name, trace))
+    two = replay(trace, device_bytes=20, host_bytes=80, policy=_policy(name, trace))
+    assert two["hits"]["host"] > 0
+    if name == "lru":
+        assert two["misses"] == one["misses"]  # exclusive tiers: exactly one LRU of the sum
+    else:
+        assert abs(two["miss_ratio"] - one["miss_ratio"]) <= 0.01
+
+
+# ------------------------------------------------------------------------- the default, lfu
+
+
+def test_fixed_window_of_one_is_exactly_lru():
+    rng = random.Random(0)
+    keys = [f"k{int(rng.paretovariate(0.8)) % 200}" for _ in range(5000)]
+    trace = _trace(keys)
     for cap in (5, 20, 50):
-        assert _drive(lfu(half_life=1e-3, window=1.0), keys, cap)[0] == _drive(lru(), keys, cap)[0]
+        ours = replay(trace, device_bytes=cap, host_bytes=0, policy=lfu(window=1.0))
+        assert ours["misses"] == replay(trace, device_bytes=cap, host_bytes=0, policy="lru")["misses"]
 
 
-def test_scan_does_not_flush_the_hot_set():
-    hot = [f"h{i}" for i in range(8)]
-    keys = hot * 20 + [f"s{i}" for i in range(500)]
-    _, _, resident = _drive(lfu(), keys, 10)
-    assert set(hot) <= resident
+def test_the_referee_takes_a_zig_zag_to_lru():
+    # Forward and backward scans of 400 blocks through a 100-block cache: only recency helps,
+    # and no margin vote can see it; LRU's lead moves the window to the whole cache.
+    keys = [f"k{i}" for i in [*range(400), *range(399, -1, -1)] * 10]
+    trace = _trace(keys)
+    ours = replay(trace, device_bytes=100, host_bytes=0, policy="lfu")
+    plain_lru = replay(trace, device_bytes=100, host_bytes=0, policy="lru")
+    frozen = replay(trace, device_bytes=100, host_bytes=0, policy=lfu(window=0.01))
+    assert ours["policy"]["window_now"] > 0.8  # from 0.01
+    assert frozen["miss_ratio"] > plain_lru["miss_ratio"] + 0.2  # the frozen window misses all
+    assert ours["miss_ratio"] < frozen["miss_ratio"] - 0.15
 
 
-def test_loop_larger_than_the_cache_keeps_hits():
-    # LRU gets no hits on a cyclic loop larger than the cache; the protected segment keeps some.
-    loop = [f"k{i}" for i in range(120)] * 20
-    assert _drive(lru(), loop, 100)[0] == len(loop)
-    assert _drive(lfu(), loop, 100)[0] < 0.5 * len(loop)
-
-
-def test_adaptive_half_life_stays_in_bounds_and_is_reported():
-    keys = _zipf_keys(60000, seed=3)
-    _, state, _ = _drive(lfu(half_life=None), keys, 30)
-    info = lfu(half_life=None).describe(state)
-    assert info["adaptive"] is True
-    assert 2.0**8 <= info["half_life"] <= 2.0**20
-    fixed = lfu(half_life=100.0)
-    _, s2, _ = _drive(fixed, keys[:5000], 30)
-    assert fixed.describe(s2)["half_life"] == 100.0 and fixed.describe(s2)["adaptive"] is False
-
-
-def test_ttl_expires_idle_residents_from_both_segments():
-    p = lfu(ttl=10.0)
-    s = p.init(1)
-    for key in ("a", "b", "c"):
-        p.access(s, key, 0.0)
-        p.insert(s, 0, key, 0.0)
-    p.access(s, "a", 0.0)  # a window hit: "a" may be promoted to the protected segment
-    p.access(s, "c", 12.0)
-    assert sorted(p.expired(s, 0, 12.0)) == ["a", "b"]
-
-
-def test_bookkeeping_is_released_with_the_ghosts():
-    p = lfu(ghost_entries=16)
-    keys = [f"k{i}" for i in range(1000)]
-    _, state, resident = _drive(p, keys, 8)
-    assert len(state.prio) <= 16 + len(resident)
-    assert set(state.prio) == set(state.last)
-    assert state.params[_GBYTES] == sum(g if g >= 0 else -g - 1 for g in state.ghosts.values())
-    assert state.params[_GWINDOW] == sum(g for g in state.ghosts.values() if g > 0)
-
-
-def test_names_and_validation():
-    assert lfu().name == "lfu" and lfu_plain().name == "lfu-plain"
-    assert get_policy("lfu").name == "lfu"
-    for bad in ({"half_life": 0}, {"count_cap": 0.5}, {"window": 1.5}, {"ghost_entries": -1}):
-        with pytest.raises(ValueError):
-            lfu(**bad)
-    assert lfu(half_life=math.inf).describe(lfu(half_life=math.inf).init(1))["half_life"] is None
-    default = lfu().describe(lfu().init(1))
-    assert default["adaptive"] is True  # the default half-life adapts online
-
-
-def test_lfu_judges_batched_misses_like_single_ones(monkeypatch):
-    """get_many accesses several missing keys before inserting them: same placement as one by one.
-
-    Each key must be judged on its own priority before its access. The window share's adaptation
-    is switched off here: it reacts to the ghosts that earlier inserts of the batch take away,
-    so a batch may move the share by a step more or less than one-by-one accesses would.
-    """
-    import cacheflow_jax._policy as policy_module
-
-    monkeypatch.setattr(policy_module, "_adapt_window", lambda state, key: None)
-
-    def placement(batched: bool) -> list:
-        policy = lfu(half_life=64.0)
-        state = policy.init(1)
-        rng = random.Random(3)
-        for i in range(300):  # fill and churn a 40-entry tier so main and window both matter
-            key = f"k{rng.randrange(120)}"
-            policy.access(state, key, float(i))
-            if key not in state.main[0] and key not in state.window[0]:
-                while len(state.main[0]) + len(state.window[0]) >= 40:
-                    policy.remove(state, 0, policy.victim(state, 0))
-                policy.insert(state, 0, key, float(i))
-        batch = ["k5", "k77", "k118", "k3"]
-        misses = [k for k in batch if k not in state.main[0] and k not in state.window[0]]
-        for _ in misses:
-            policy.remove(state, 0, policy.victim(state, 0))
-        if batched:
-            for k in batch:
-                policy.access(state, k, 400.0)
-            for k in misses:
-                policy.insert(state, 0, k, 400.0)
-        else:
-            for k in batch:
-                policy.access(state, k, 400.0)
-                if k in misses:
-                    policy.insert(state, 0, k, 400.0)
-        return [(k, k in state.main[0]) for k in misses]
-
-    assert placement(batched=True) == placement(batched=False)
-
-
-def _drive_sized(policy, keys, sizes, budget):
-    """Single tier with byte sizes, the call order of `TieredCache._room_sync`."""
+def test_margin_votes_move_the_window_toward_the_segment_that_was_short():
+    policy = lfu(half_life=1e9)
     state = policy.init(1)
-    resident: dict = {}
-    used = 0
-    for i, key in enumerate(keys):
-        t = float(i)
-        policy.access(state, key, t)
-        if key in resident:
-            continue
-        n = sizes[key]
-        while used + n > budget:
-            v = policy.victim(state, 0)
-            policy.remove(state, 0, v)
-            used -= resident.pop(v)
-        policy.insert(state, 0, key, t, n)
-        resident[key] = n
-        used += n
-        window_bytes, main_bytes = state.nbytes[0]
-        assert window_bytes + main_bytes == used  # the policy's byte accounting is exact
-        assert window_bytes == sum(resident[k] for k in state.window[0])
-    return state, resident
+    for key in "abcdefghij":
+        policy.access(state, key, 0.0)
+        policy.insert(state, 0, key, 0.0, 10)
+    assert state.resident == 100
+    share = state.share
+    policy.remove(state, 0, next(iter(state.window)))  # leaves the window: window_out grows
+    gone = next(reversed(state.ghosts))
+    policy.access(state, gone, 0.0)  # back within 2% of the bytes: the window was a step short
+    assert state.share == pytest.approx(share + 0.02)
+    victim = next(iter(state.probation))
+    policy.insert(state, 0, gone, 0.0, 10)
+    policy.remove(state, 0, victim)
+    policy.access(state, victim, 0.0)  # a main ghost back at once: main was a step short
+    assert state.share == pytest.approx(share)
 
 
-def test_big_one_hit_newcomers_churn_the_window_not_the_hot_set():
-    # 40 small hot keys fill main; then one-hit keys, small and 16x bigger, interleaved with the
-    # hot ones: the newcomers displace each other in the window (sized in bytes), never a hot key.
-    hot = [f"h{i}" for i in range(40)]
-    sizes = dict.fromkeys(hot, 1)
-    keys = hot * 5
-    for i in range(300):
-        sizes[f"s{i}"], sizes[f"b{i}"] = 1, 16
-        keys += [f"s{i}", hot[i % 40], f"b{i}", hot[(i + 20) % 40]]
-    state, resident = _drive_sized(lfu(half_life=1e6), keys, sizes, 64)
-    assert set(hot) <= set(resident)
-
-
-def test_window_adapts_to_ghost_hits_and_stays_in_bounds():
-    policy = lfu(half_life=4096.0, window=0.01)
-    # A loop of 24 keys through a 20-entry cache: the keys that cycle through the window leave
-    # it and come back a few evictions later, so the window grows (ARC's B1 hits).
-    keys = [f"k{i % 24}" for i in range(3000)]
-    state, resident = _drive_sized(policy, keys, {f"k{i}": 1 for i in range(24)}, 20)
-    d = policy.describe(state)
-    assert d["window"] == 0.01 and 0.01 < d["window_now"] <= 0.9
-    grown = d["window_now"]
-    # Steps are ARC's: one entry's worth times max(1, |B2| / |B1|) on a B1 hit (a window ghost),
-    # times max(1, |B1| / |B2|) on a B2 hit (a protected one); here the ghosts' bytes.
-    b1 = sum(g for g in state.ghosts.values() if g > 0)
-    b2 = sum(-g - 1 for g in state.ghosts.values() if g < 0)
-    assert b2 > b1 > 0
-    step = 1 / (len(resident) + 1)
-    back = next(k for k, g in reversed(state.ghosts.items()) if g > 0)  # left the window last
-    policy.access(state, back, 1.0)
-    assert policy.describe(state)["window_now"] == pytest.approx(min(grown + step * b2 / b1, 0.9))
-    grown = policy.describe(state)["window_now"]
-    # A protected key evicted and missed right away (a B2 hit) shrinks it: B2 outnumbers B1 by
-    # then, so by one entry's worth.
-    protected = next(iter(state.main[0]))
-    policy.remove(state, 0, protected)
-    del resident[protected]
-    policy.access(state, protected, 1.0)
-    assert policy.describe(state)["window_now"] == pytest.approx(grown - 1 / (len(resident) + 1))
-
-
-def test_a_window_ghost_back_soon_is_protected_and_one_back_late_is_not():
-    def run(evict_first: int) -> tuple:
-        policy = lfu(half_life=4096.0)
-        # A loop of 24 keys through a 20-entry cache: k9 has just left from the window.
-        keys = [f"k{i % 24}" for i in range(3000)]
-        state, resident = _drive_sized(policy, keys, {f"k{i}": 1 for i in range(24)}, 20)
-        assert state.ghosts["k9"] > 0  # a window ghost
-        for _ in range(evict_first + 1):  # room for k9, and maybe more evictions before it
-            policy.remove(state, 0, policy.victim(state, 0))
-        age = state.params[17] - state.stamps["k9"]  # _EVICTED: bytes removed since it left
-        policy.access(state, "k9", 3000.0)
-        policy.insert(state, 0, "k9", 3000.0)
-        return "k9" in state.main[0], age, state.nbytes[0][1]
-
-    protected, age, main_bytes = run(0)
-    assert protected and age <= main_bytes  # ARC's B1 hit: into the protected segment
-    protected, age, main_bytes = run(16)
-    assert not protected and age > main_bytes  # gone longer than B1 would remember: the window
-
-
-def test_the_window_share_is_of_the_whole_cache_across_tiers():
-    policy = lfu(window=0.01)
-    state = policy.init(2)
-    state.params[_WINDOW] = 0.3  # as adapted
-    state.nbytes[0][:] = [2, 98]  # L1: window, protected bytes
-    state.nbytes[1][:] = [100, 300]  # L2
-    assert _share(state, 0) == 0.01  # L1 keeps the least share while L2 holds blocks
-    # L2 holds the rest of the window, so that both tiers together have 30% in their windows.
-    assert 2 + _share(state, 1) * 400 == pytest.approx(0.3 * 500)
-    state.nbytes[0][:] = [200, 0]  # L1's window alone is over the share: L2 keeps none
-    assert _share(state, 1) == 0.0
-    state.nbytes[1][:] = [0, 0]  # nothing below L1: it has the adapted share itself
-    assert _share(state, 0) == 0.3
-
-
-def test_ghost_history_is_bounded_in_bytes():
+def test_ghosts_and_scores_are_bounded_and_byte_counts_exact():
     rng = random.Random(1)
     sizes = {f"k{i}": rng.choice([1, 4, 64]) for i in range(5000)}
     keys = [f"k{int(rng.paretovariate(0.6)) % 5000}" for _ in range(20000)]
-    policy = lfu(history=1.0)
-    state, resident = _drive_sized(policy, keys, sizes, 2000)
-    ghost_bytes = sum(sizes[k] for k in state.ghosts if k not in resident)
-    assert len(state.ghosts) <= 64 or ghost_bytes <= sum(resident.values()) + 64
-    assert set(state.stamps) <= set(state.ghosts)
-    # The running byte counts of all ghosts and of the window's (ARC's B1) match the ghosts.
-    assert state.params[_GBYTES] == sum(g if g >= 0 else -g - 1 for g in state.ghosts.values())
-    assert state.params[_GWINDOW] == sum(g for g in state.ghosts.values() if g > 0)
-    with pytest.raises(ValueError, match="history"):
-        lfu(history=0)
+    trace = _trace(keys, sizes)
+    cache = _cache(lfu(), trace, 2000, 0)
+    for t, key in enumerate(keys):
+        cache.access_sync(key, float(t))
+    state = cache._pstate
+    resident = set(cache._tiers[0].entries)
+    assert resident == {*state.window, *state.probation, *state.protected}
+    assert state.resident == sum(sizes[k] for k in resident) == cache._tiers[0].used
+    assert state.window_bytes == sum(state.window.values())
+    assert state.ghost_bytes == sum(g[0] for g in state.ghosts.values())
+    assert len(state.ghosts) <= max(8 * len(resident), 64)
+    assert state.ghost_bytes <= 8 * state.resident or len(state.ghosts) <= 64
+    assert set(state.score) <= resident | set(state.ghosts) | set(keys[-1:])
+    assert not resident & set(state.ghosts)
+
+
+def test_the_half_life_follows_the_resident_count_and_keeps_the_order():
+    # 4 accesses per resident block, re-expressed when the count has doubled or halved.
+    policy = lfu()
+    state = policy.init(1)
+    for i in range(300):
+        key = f"k{i % 100}"
+        policy.access(state, key, 0.0)
+        if key not in state.window and key not in state.probation and key not in state.protected:
+            policy.insert(state, 0, key, 0.0, 1)
+    assert 4 * 50 < policy.describe(state)["half_life"] <= 4 * 100
+    for _ in range(80):
+        policy.remove(state, 0, policy.victim(state, 0))
+    kept = [k for k in sorted(state.score, key=state.score.get) if k not in ("k0",)]
+    for _ in range(100):
+        policy.access(state, "k0", 0.0)
+    assert policy.describe(state)["half_life"] == 4 * 20
+    assert kept == sorted(kept, key=state.score.get)  # the counts stay, so does their order
+
+
+def test_names_settings_and_errors():
+    assert set(POLICIES) == {"lfu", "lru", "lfu-plain"}
+    assert get_policy("lfu").name == "lfu" and lfu_plain().name == "lfu-plain"
+    assert lfu_plain().describe(lfu_plain().init(1))["half_life"] is None  # no decay
+    for bad in ({"window": 1.5}, {"window": -0.1}, {"half_life": 0}, {"ttl": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            lfu(**bad)
+    with pytest.raises(ValueError, match="unknown policy 'fifo'.*lfu"):
+        get_policy("fifo")
+    assert lfu().describe(lfu().init(2))["window_now"] == 0.01
+    assert lru(ttl=5).describe(lru(ttl=5).init(1)) == {"name": "lru", "ttl": 5.0}
+
+
+# ------------------------------------------------------------------------- against the reference
+
+
+def _drive(policy, keys: list[str], size_of: dict[str, int], budget: int) -> tuple:
+    """One tier, in `TieredCache.access_sync`'s call order; returns (hits, state)."""
+    state = policy.init(1)
+    resident: dict[str, int] = {}
+    used, hits = 0, []
+    for key in keys:
+        policy.access(state, key, 0.0)
+        hits.append(key in resident)
+        n = size_of[key]
+        if key in resident or n > budget:
+            continue
+        while used + n > budget:
+            victim = policy.victim(state, 0)
+            assert victim in resident and policy.admit(state, key, victim)
+            policy.remove(state, 0, victim)
+            used -= resident.pop(victim)
+        policy.insert(state, 0, key, 0.0, n)
+        resident[key] = n
+        used += n
+    return hits, state
+
+
+def _same(keys, size_of, budget, half_life, window):
+    hits, state = _drive(lfu(half_life=half_life, window=window, ttl=None), keys, size_of, budget)
+    ref = ReferenceLfu(budget, half_life=half_life, window=window)
+    assert hits == [ref.access(k, size_of[k]) for k in keys]
+    assert list(state.window) == ref.window
+    assert list(state.probation) == ref.probation
+    assert list(state.protected) == ref.protected
+    assert list(state.ghosts) == [g[0] for g in ref.ghosts]
+    assert (state.share, state.least) == (ref.share, ref.least)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 60), min_size=100, max_size=600),
+    sizes=st.lists(st.integers(1, 3), min_size=61, max_size=61),
+    budget=st.integers(3, 60),
+    half_life=st.sampled_from([1.0, 8.0, 100.0, math.inf]),
+    window=st.sampled_from([None, None, 0.2, 1.0]),
+)
+def test_lfu_makes_the_reference_decisions(keys, sizes, budget, half_life, window):
+    _same([f"k{k}" for k in keys], {f"k{i}": n for i, n in enumerate(sizes)}, budget,
+          half_life, window)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lfu_makes_the_reference_decisions_on_long_mixed_patterns(seed):
+    # Long enough for ghost trimming (> 64 ghosts) and referee decisions, with scans, loops,
+    # a moving hot set and a Zipf mix.
+    rng = random.Random(seed)
+    keys = []
+    for phase in range(6):
+        kind = rng.choice(["zipf", "loop", "scan", "zigzag"])
+        if kind == "zipf":
+            keys += [f"z{phase}_{int(rng.paretovariate(0.8)) % 80}" for _ in range(600)]
+        elif kind == "loop":
+            keys += [f"l{i}" for i in range(45)] * 12
+        elif kind == "scan":
+            keys += [f"s{phase}_{i}" for i in range(300)]
+        else:
+            keys += [f"g{i}" for i in [*range(60), *range(59, -1, -1)] * 4]
+    size_of = {k: 1 + sum(map(ord, k)) % 3 for k in set(keys)}
+    _same(keys, size_of, 60, 16.0, None)

@@ -12,12 +12,14 @@ import pytest
 from hypothesis import given, settings
 
 import cacheflow_jax as cfj
+from bench.policies import shared_traces_dir
 from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._replay import TraceStore, belady, next_uses, replay
+from cacheflow_jax._replay import TraceStore, replay
 from cacheflow_jax._tiers import MetadataTier
 from cacheflow_jax._trace import Trace, TraceFormatError, parse_size, read_trace, write_log
+from cacheflow_jax.policies.belady import belady, next_uses
 
-TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+TRACES = shared_traces_dir()
 MOONCAKE = os.path.join(TRACES, "mooncake_synthetic_trace.jsonl")
 CLOUDPHYSICS = os.path.join(TRACES, "cloudPhysicsIO.csv.gz")
 
@@ -103,8 +105,12 @@ def test_libcachesim_csv_with_column_spec(tmp_path):
 
 def test_txt_and_empty_and_unknown_format(tmp_path):
     path = tmp_path / "k.txt"
-    path.write_text("a\nb\na\n")
-    assert read_trace(path).keys == ["a", "b", "a"]
+    path.write_text("a\nb\na\n\n")  # an empty last line (as in lirs_gli) is no access
+    trace = read_trace(path)
+    assert trace.keys == ["a", "b", "a"] and trace.timed is False
+    path.write_text("a\n\nb\n")
+    with pytest.raises(TraceFormatError, match=r"k.txt:2: empty line"):
+        read_trace(path)
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match="holds no accesses"):
@@ -233,9 +239,38 @@ def test_belady_matches_the_shared_reference_figures():
         assert abs(got["miss_ratio"] - want) < 0.001
 
 
-def test_replay_bad_budgets():
-    trace = _trace(["a", "b"], sizes=[100, 100])
-    with pytest.raises(cfj.BudgetError, match="device_bytes=5 is smaller than the largest"):
-        replay(trace, device_bytes=5, host_bytes=0)
+def test_replay_bad_budgets_and_objects_larger_than_the_cache():
+    trace = _trace(["a", "b", "a"], sizes=[100, 10, 100])
+    with pytest.raises(cfj.BudgetError, match="device_bytes=0 cannot hold"):
+        replay(trace, device_bytes=0, host_bytes=0)
     with pytest.raises(cfj.BudgetError, match="host_bytes=-1 is negative"):
         replay(trace, device_bytes=100, host_bytes=-1)
+    # A block larger than every tier is never cached, as in libCacheSim: each access misses.
+    small = replay(trace, device_bytes=50, host_bytes=0)
+    assert small["misses"] == 3 and small["tiers"]["device"]["blocks"] == 1
+
+
+def test_a_trace_without_timestamps_expires_nothing_by_ttl(tmp_path):
+    """The clock defect: counting accesses as seconds expired blocks after ``ttl`` accesses.
+
+    Two hot blocks come back every 12 accesses, between scans of one-hit blocks. Under a clock
+    of access indices a TTL of 10 "seconds" expires them between their uses.
+    """
+    keys = []
+    for i in range(40):
+        keys += ["h0", "h1", *(f"s{i}_{j}" for j in range(10))]
+    path = tmp_path / "scan.txt"
+    path.write_text("\n".join(keys) + "\n")
+    untimed = read_trace(path)
+    timed = _trace(keys)  # the same accesses, one second apart
+    runs = {}
+    for clock, trace in (("none", untimed), ("trace", timed)):
+        for ttl in (10.0, None):
+            stats = replay(trace, device_bytes=6, host_bytes=0, policy=cfj.lfu(ttl=ttl))
+            assert stats["clock"] == clock
+            assert stats["ttl_applied"] is (clock == "trace" and ttl is not None)
+            runs[clock, ttl] = stats["misses"]
+    assert runs["none", 10.0] == runs["none", None] == runs["trace", None]
+    assert runs["trace", 10.0] > runs["trace", None]  # with a real clock the TTL does apply
+
+

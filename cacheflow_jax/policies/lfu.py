@@ -1,0 +1,526 @@
+"""``lfu``, the default policy: decayed frequency weighed with recency, adapted online.
+
+The idea.
+
+* A key's *score* is a decayed count, ``s <- s * 2**(-dt / h) + 1`` per access, with a half-life
+  ``h`` of 4 accesses per block the cache holds. Stored as ``log2(s) + t / h`` (t counts
+  accesses), it does not change while the key is idle: keys compare without touching the clock.
+* Residents are split, as in W-TinyLFU (Caffeine), into a *window* that takes every newcomer in
+  LRU order and a *main* part, an SLRU of probation and protected (80% of main) blocks.
+* When the window is full, its oldest block is a candidate for main. It enters main if its score
+  *before its last access* is at least the score of main's weakest block (probation's oldest),
+  which is then evicted; otherwise the candidate is. With a short half-life this is LIRS's test
+  (was it reused sooner than main's weakest has been idle?), so a loop larger than the cache keeps
+  part of itself; with a long one it is LFU's. A scan's blocks have no past and never get in.
+* Evicted keys are remembered as *ghosts* (their scores, segment and eviction time) up to 8x the
+  resident bytes, so a key back from a short absence is judged on its history.
+* The window's share of the bytes moves online between 0 (frequency-protected) and 1 (plain LRU):
+  - a miss on a ghost that left its segment (window or main) within the last 2% of the cache's
+    bytes evicted from that segment says that segment was a step too small: the share moves one
+    step (2% of the cache) toward it. These are ARC's ghost hits, counted only near the margin:
+    ghosts of a loop come back from far and say nothing about one step;
+  - a *referee*, a shadow LRU list of the same bytes (keys only), counts the accesses that LRU
+    hits and we miss, and the reverse. When LRU is a cache's worth of hits ahead, the share moves
+    halfway to 1 and the margin votes may not go below it until we are a cache's worth ahead of
+    LRU again (then that floor halves). A trace that only recency serves (a zig-zag scan) finds
+    plain LRU this way; margin votes alone cannot see that far.
+* Sizes count in bytes everywhere (shares, ghosts, the referee), so a big block takes the room
+  of many small ones.
+* TTL: a block idle for ``ttl`` seconds leaves whatever its score (a sweep every ``ttl / 8``).
+* Two tiers are one cache. The segments, scores, ghosts and referee span L1 and L2, and what
+  leaves the cache is what one cache of the summed size would evict: L2's victim is that block,
+  or, when it is in L1, L1 gives it up and L2 refuses it (``admit``). L1's victim, a block moving
+  down to L2, is its block with the lowest score, so L1 keeps the most used blocks.
+
+Every constant here (0.8, a half-life of 4 caches, 8x, 2%, a cache's worth, halfway) was chosen
+on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and what else was tried.
+
+Cost per access: O(1) amortised. A hit is a few dict operations and one ``log2``; a miss adds a
+duel, a ghost and O(1) amortised trimming; the half-life is re-expressed (O(keys)) only when the
+resident count has doubled or halved since the last time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections import OrderedDict
+
+from cacheflow_jax.policies._base import Key, Policy, check_ttl
+
+# Each constant's sweep over the 19 shared traces is in docs/policies.md.
+PROTECTED = 0.8  # protected share of main (Caffeine's)
+HALF_LIFE_PER_BLOCK = 4.0  # half-life of a count, in accesses per resident block
+HISTORY = 8.0  # ghosts kept, in bytes (and in keys) per resident byte (key)
+STEP = 0.02  # the margin and step of the window's share, as a share of the resident bytes
+START = 0.01  # the window's share at first (Caffeine's)
+REFEREE_LEAD = 1.0  # the referee's lead that moves the share, in resident blocks (a cache's worth)
+REFEREE_MOVE = 0.5  # how far toward LRU the share moves then (halfway)
+_MIN_GHOSTS = 64  # ghost keys kept whatever the bytes (a cache of a few huge blocks needs some)
+_NEVER = -math.inf  # the score before a first access
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LfuState:
+    """The state of `lfu`: one cache's segments over all tiers, plus tier placement.
+
+    Segments map key -> nbytes, least recent first. Scores map key -> ``log2(count) + tick *
+    rate`` for residents and ghosts.
+    """
+
+    window: OrderedDict
+    probation: OrderedDict
+    protected: OrderedDict
+    score: dict  # key -> log2(decayed count) + tick * rate
+    before: dict  # window key -> its score before its last access (the duel's evidence)
+    # key -> (nbytes, from_window, stamp), oldest first: what is remembered of an evicted key,
+    # the segment it left (window or main) and that segment's eviction clock when it left.
+    ghosts: OrderedDict
+    referee: OrderedDict  # shadow LRU over the same bytes: key -> nbytes
+    ttl: float
+    last: dict  # key -> last access time in seconds (only with a TTL)
+    num_tiers: int
+    window_bytes: int = 0
+    probation_bytes: int = 0
+    protected_bytes: int = 0
+    resident: int = 0  # bytes in all segments (all tiers)
+    count: int = 0  # blocks in all segments
+    ghost_bytes: int = 0
+    referee_bytes: int = 0
+    window_out: int = 0  # bytes that left the window, ever (window ghosts' clock)
+    main_out: int = 0  # bytes evicted from main, ever (main ghosts' clock)
+    tick: int = 0  # accesses
+    rate: float = 1.0 / 64  # 1 / half-life, per access
+    rated_for: int = 0  # resident blocks when the half-life was last set
+    next_rate_check: int = 64
+    share: float = 0.01  # the window's target share of the resident bytes
+    least: float = 0.0  # the share's lower bound set by the referee
+    adaptive: bool = True
+    lead: int = 0  # referee: accesses LRU hit and we missed, minus the reverse, since a decision
+    full: bool = False  # a victim was asked for since the last insert
+    next_sweep: float = -math.inf
+    current: Key | None = None  # the key of the latest access
+    missing: bool = False  # the latest access missed the whole cache
+    loser: Key | None = None  # the block the whole cache gives up for the current miss
+    drop: Key | None = None  # that block, when it is moving down from L1: L2 refuses it
+    # Tier placement, from the first block in L2 on (None before: one tier).
+    tier_of: dict | None = None  # resident key -> tier
+    moving: dict | None = None  # key -> tier it left, until it is inserted again
+    heaps: list | None = None  # per tier: (score, key) lower bounds, a lazy min-heap
+
+
+def lfu(
+    *,
+    window: float | None = None,
+    half_life: float | None = None,
+    ttl: float | None = 86400.0,
+    name: str = "lfu",
+) -> Policy:
+    """Decayed frequency weighed with recency, with an adaptive window and a TTL (the default).
+
+    Args:
+      window: the window's share of the bytes. None (the default): adaptive, from 1% between 0
+        (frequency-protected) and 1 (plain LRU). A number fixes it; 1.0 is exactly LRU.
+      half_life: accesses after which an idle key's count halves. None (the default): 4 per
+        block the cache holds. ``math.inf``: plain counts (no decay).
+      ttl: seconds without an access after which a block leaves L1/L2; None for no TTL.
+      name: the name in stats.
+
+    Returns:
+      The policy.
+
+    Raises:
+      ValueError: a setting is out of range (the message names it).
+
+    >>> p = lfu()
+    >>> s = p.init(1)
+    >>> p.access(s, "a", 0.0); p.insert(s, 0, "a", 0.0, 64); p.victim(s, 0)
+    'a'
+    """
+    if window is not None and not 0.0 <= window <= 1.0:
+        raise ValueError(f"window={window!r} must be a share between 0 and 1, or None to adapt")
+    if half_life is not None and not half_life > 0:
+        raise ValueError(f"half_life={half_life!r} must be > 0 accesses (math.inf: no decay)")
+    ttl_s = check_ttl(ttl)
+    fixed_rate = None if half_life is None else (0.0 if half_life == math.inf else 1 / half_life)
+    timed = ttl_s != math.inf
+    log2 = math.log2
+
+    def init(num_tiers: int) -> LfuState:
+        state = LfuState(
+            OrderedDict(), OrderedDict(), OrderedDict(), {}, {}, OrderedDict(), OrderedDict(),
+            ttl_s, {}, num_tiers,
+        )
+        state.share = START if window is None else float(window)
+        state.adaptive = window is None
+        if fixed_rate is not None:
+            state.rate = fixed_rate
+            state.next_rate_check = 1 << 62
+        return state
+
+    def access(state: LfuState, key: Key, now: float) -> None:
+        if state.moving:
+            _settle(state)
+        tick = state.tick = state.tick + 1
+        base = tick * state.rate
+        score = state.score
+        old = score.get(key)
+        if old is None:
+            score[key] = base
+            old = _NEVER
+        else:
+            x = old - base  # log2 of the count now
+            score[key] = base + (log2(1.0 + 2.0**x) if x < 50.0 else x)
+        if timed:
+            state.last[key] = now
+        referee = state.referee
+        lru_hit = key in referee
+        if lru_hit:
+            referee.move_to_end(key)
+        window = state.window
+        if key in window:
+            window.move_to_end(key)
+            state.before[key] = old
+            hit = True
+        elif key in state.protected:
+            state.protected.move_to_end(key)
+            hit = True
+        elif key in state.probation:
+            _promote(state, key)
+            hit = True
+        else:
+            hit = False
+            ghost = state.ghosts.pop(key, None)
+            if ghost is not None:
+                state.ghost_bytes -= ghost[0]
+                if state.adaptive:
+                    _vote(state, ghost)
+            state.before[key] = old
+        if state.tier_of is not None:  # for victim: is this access a miss of the whole cache?
+            state.current = key
+            state.missing = not hit
+            state.loser = state.drop = None
+        if lru_hit is not hit and state.adaptive:
+            _referee(state, lru_hit)
+        if tick >= state.next_rate_check:
+            _check_rate(state)
+
+    def insert(state: LfuState, tier: int, key: Key, now: float, nbytes: int = 1) -> None:
+        if state.tier_of is None and tier > 0:
+            _layer(state)
+        if state.moving and key in state.moving:  # moved between tiers: not judged again
+            del state.moving[key]
+            _place(state, tier, key)
+            if key == state.drop:
+                state.drop = None  # the tier below had room after all
+            return
+        ghost = state.ghosts.pop(key, None)  # usually taken out by its access already
+        if ghost is not None:
+            state.ghost_bytes -= ghost[0]
+        if key not in state.score:  # inserted without an access (a prefetch): a fresh count
+            state.score[key] = state.tick * state.rate
+            state.before[key] = _NEVER
+            if timed:
+                state.last[key] = now
+        elif key not in state.before:
+            state.before[key] = _NEVER
+        state.window[key] = nbytes
+        state.window_bytes += nbytes
+        resident = state.resident = state.resident + nbytes
+        state.count += 1
+        referee = state.referee
+        if key not in referee:
+            referee[key] = nbytes
+            state.referee_bytes += nbytes
+            while state.referee_bytes > resident and referee:
+                state.referee_bytes -= referee.popitem(last=False)[1]
+        if not state.full:  # the cache had room: the window's overflow joins probation, no duel
+            limit = state.share * resident
+            while state.window_bytes > limit and len(state.window) > 1:
+                _to_probation(state, next(iter(state.window)))
+        state.full = False
+        if state.tier_of is not None:
+            _place(state, tier, key)
+            if key == state.current:
+                state.missing = False
+
+    def remove(state: LfuState, tier: int, key: Key) -> None:
+        if state.tier_of is None:
+            _forget(state, key)
+            return
+        if state.tier_of.get(key) != tier:
+            return
+        _unplace(state, tier, key)
+        if tier == state.num_tiers - 1 and key != state.current:
+            _forget(state, key)  # left the last tier, not promoted: it left the cache
+        else:
+            state.moving[key] = tier  # moved (demoted or promoted), or gone: see _settle
+
+    def victim(state: LfuState, tier: int) -> Key | None:
+        state.full = True
+        if state.tier_of is None:
+            return _loser(state)
+        last = tier == state.num_tiers - 1
+        if not last:
+            if state.missing and state.loser is None and state.drop is None:
+                loser = _loser(state)
+                if loser is not None and state.tier_of.get(loser) == tier:
+                    state.drop = loser  # one cache would evict it: the tier below refuses it
+                    return loser
+                state.loser = loser
+            return _coldest(state, tier)
+        loser, state.loser = state.loser, None
+        if loser is None or state.tier_of.get(loser) != tier:
+            return _next_in(state, tier)
+        return loser
+
+    def admit(state: LfuState, key: Key, victim_key: Key) -> bool:
+        if key == state.drop:
+            state.drop = None
+            state.moving.pop(key, None)
+            _forget(state, key)
+            return False
+        return True
+
+    def expired(state: LfuState, tier: int, now: float) -> list[Key]:
+        # A sweep every ttl/8 seconds: a block leaves between ttl and 9/8 ttl after its last
+        # access, with no per-access bookkeeping beyond its time.
+        if state.ttl == math.inf or now < state.next_sweep:
+            return []
+        if tier == state.num_tiers - 1:
+            state.next_sweep = now + state.ttl / 8
+        limit = now - state.ttl
+        last = state.last
+        if state.tier_of is None:
+            if tier:
+                return []
+            keys = [*state.window, *state.probation, *state.protected]
+        else:
+            keys = [k for k, t in state.tier_of.items() if t == tier]
+        return [k for k in keys if last.get(k, now) <= limit]
+
+    def describe(state: LfuState) -> dict:
+        return {
+            "name": name,
+            "window": window,
+            "window_now": state.share,
+            "window_least": state.least,
+            "half_life": None if state.rate == 0 else 1.0 / state.rate,
+            "history": HISTORY,
+            "ttl": None if state.ttl == math.inf else state.ttl,
+        }
+
+    return Policy(name, init, access, insert, remove, victim, admit, expired, describe)
+
+
+def lfu_plain(*, ttl: float | None = 86400.0) -> Policy:
+    """``lfu`` with plain counts (no decay), for comparison: LFU's test at the window's exit."""
+    return lfu(half_life=math.inf, ttl=ttl, name="lfu-plain")
+
+
+# ------------------------------------------------------------------------------ one cache
+
+
+def _loser(state: LfuState) -> Key | None:
+    """The block that one cache of all the tiers' bytes gives up now (its duel, if the window
+    is full: the window's oldest against probation's oldest)."""
+    window = state.window
+    main = state.probation or state.protected
+    if window and (not main or state.window_bytes >= state.share * state.resident):
+        candidate = next(iter(window))
+        if not main:
+            return candidate
+        weakest = next(iter(main))
+        if state.before.get(candidate, _NEVER) >= state.score[weakest]:
+            _to_probation(state, candidate)  # the candidate proved itself
+            return weakest
+        return candidate
+    if main:
+        return next(iter(main))
+    return next(iter(window)) if window else None
+
+
+def _to_probation(state: LfuState, key: Key) -> None:
+    """Moves ``key`` from the window to probation's recent end."""
+    nbytes = state.window.pop(key)
+    state.before.pop(key, None)
+    state.window_bytes -= nbytes
+    state.window_out += nbytes
+    state.probation[key] = nbytes
+    state.probation_bytes += nbytes
+
+
+def _promote(state: LfuState, key: Key) -> None:
+    """A probation hit: ``key`` becomes protected; protected's oldest overflow go back."""
+    nbytes = state.probation.pop(key)
+    state.probation_bytes -= nbytes
+    state.protected[key] = nbytes
+    state.protected_bytes += nbytes
+    limit = PROTECTED * (state.resident - state.window_bytes)
+    while state.protected_bytes > limit and len(state.protected) > 1:
+        old, n = state.protected.popitem(last=False)
+        state.protected_bytes -= n
+        state.probation[old] = n
+        state.probation_bytes += n
+
+
+def _forget(state: LfuState, key: Key) -> None:
+    """``key`` left the cache: out of its segment, into the ghosts."""
+    nbytes = state.window.pop(key, None)
+    if nbytes is not None:
+        state.window_bytes -= nbytes
+        state.window_out += nbytes
+        state.before.pop(key, None)
+        ghost = (nbytes, True, state.window_out)
+    else:
+        nbytes = state.probation.pop(key, None)
+        if nbytes is not None:
+            state.probation_bytes -= nbytes
+        else:
+            nbytes = state.protected.pop(key, None)
+            if nbytes is None:
+                return
+            state.protected_bytes -= nbytes
+        state.main_out += nbytes
+        ghost = (nbytes, False, state.main_out)
+    state.resident -= nbytes
+    state.count -= 1
+    if state.tier_of is not None:
+        state.tier_of.pop(key, None)
+    ghosts = state.ghosts
+    ghosts[key] = ghost
+    state.ghost_bytes += nbytes
+    if len(ghosts) > HISTORY * state.count or state.ghost_bytes > HISTORY * state.resident:
+        _trim_ghosts(state)
+
+
+def _trim_ghosts(state: LfuState) -> None:
+    """Forgets the oldest ghosts beyond HISTORY times the residents (bytes, and keys)."""
+    ghosts = state.ghosts
+    max_bytes = HISTORY * state.resident
+    max_keys = max(HISTORY * state.count, _MIN_GHOSTS)
+    while len(ghosts) > max_keys or state.ghost_bytes > max_bytes and len(ghosts) > _MIN_GHOSTS:
+        key, ghost = ghosts.popitem(last=False)
+        state.ghost_bytes -= ghost[0]
+        del state.score[key]
+        state.before.pop(key, None)
+        state.last.pop(key, None)
+
+
+def _check_rate(state: LfuState) -> None:
+    """Keeps the half-life at HALF_LIFE_PER_BLOCK accesses per resident block.
+
+    Scores are re-expressed (the counts stay) only when the resident count has doubled or
+    halved since the last time: O(keys) then, O(1) amortised.
+    """
+    n = max(state.count, 16)
+    state.next_rate_check = state.tick + n
+    if state.rated_for // 2 < n < 2 * state.rated_for:
+        return
+    state.rated_for = n
+    rate = 1.0 / (HALF_LIFE_PER_BLOCK * n)
+    shift = state.tick * (rate - state.rate)
+    state.rate = rate
+    score = state.score
+    for key in score:
+        score[key] += shift
+    before = state.before
+    for key, value in before.items():
+        if value != _NEVER:
+            before[key] = value + shift
+    if state.heaps is not None:
+        for tier, heap in enumerate(state.heaps):
+            heap[:] = [(score[k], k) for k, t in state.tier_of.items() if t == tier]
+            heapq.heapify(heap)
+
+
+# ------------------------------------------------------------------------------ adaptation
+
+
+def _vote(state: LfuState, ghost: tuple) -> None:
+    """A miss on a ghost that left its segment within STEP of the bytes: one step toward it."""
+    margin = STEP * state.resident
+    _, from_window, stamp = ghost
+    if from_window:
+        if state.window_out - stamp <= margin:
+            state.share = min(state.share + STEP, 1.0)
+    elif state.main_out - stamp <= margin:
+        state.share = max(state.share - STEP, state.least)
+
+
+def _referee(state: LfuState, lru_hit: bool) -> None:
+    """LRU hit where we missed (or the reverse): when it leads by a cache's worth, go halfway."""
+    state.lead += 1 if lru_hit else -1
+    worth = max(REFEREE_LEAD * state.count, 8)
+    if state.lead >= worth:
+        state.share += (1.0 - state.share) * REFEREE_MOVE
+        if 1.0 - state.share < 1.0 / max(state.count, 1):
+            state.share = 1.0
+        state.least = state.share
+        state.lead = 0
+    elif state.lead <= -worth:
+        state.least /= 2
+        state.lead = 0
+
+
+# ------------------------------------------------------------------------------ tiers
+
+
+def _layer(state: LfuState) -> None:
+    """The first block in a lower tier: from now on, track which tier holds each block."""
+    state.moving = {}
+    state.tier_of = dict.fromkeys([*state.window, *state.probation, *state.protected], 0)
+    state.heaps = [[] for _ in range(state.num_tiers)]
+    state.heaps[0] = [(state.score[k], k) for k in state.tier_of]
+    heapq.heapify(state.heaps[0])
+
+
+def _place(state: LfuState, tier: int, key: Key) -> None:
+    state.tier_of[key] = tier
+    heap = state.heaps[tier]
+    heapq.heappush(heap, (state.score[key], key))
+    if len(heap) > 64 and len(heap) > 4 * len(state.tier_of):  # mostly stale: rebuild
+        heap[:] = [(state.score[k], k) for k, t in state.tier_of.items() if t == tier]
+        heapq.heapify(heap)
+
+
+def _unplace(state: LfuState, tier: int, key: Key) -> None:
+    del state.tier_of[key]  # its heap entry goes stale and is skipped
+
+
+def _next_in(state: LfuState, tier: int) -> Key | None:
+    """The block of ``tier`` that one cache would give up first (probation's, protected's, then
+    the window's oldest), when the one it gives up now is elsewhere. Lower tiers hold the older
+    blocks, so the scan from the old ends is short."""
+    tier_of = state.tier_of
+    for segment in (state.probation, state.protected, state.window):
+        for key in segment:
+            if tier_of.get(key) == tier:
+                return key
+    return None
+
+
+def _coldest(state: LfuState, tier: int) -> Key | None:
+    """The block ``tier`` gives up first: the one with the lowest score.
+
+    Heap entries are lower bounds (scores only grow while a key is resident), refreshed when
+    they reach the top: no heap work on a hit.
+    """
+    heap, tier_of, score = state.heaps[tier], state.tier_of, state.score
+    while heap:
+        value, key = heap[0]
+        if tier_of.get(key) != tier:
+            heapq.heappop(heap)
+        elif score[key] != value:
+            heapq.heapreplace(heap, (score[key], key))
+        else:
+            return key
+    return None
+
+
+def _settle(state: LfuState) -> None:
+    """Blocks that left a tier during earlier accesses and were not put back have left."""
+    for key in list(state.moving):
+        del state.moving[key]
+        _forget(state, key)
