@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
@@ -293,10 +294,14 @@ def test_eight_threads_random_get_put(policy):
     over_budget: list = []
 
     def watch():
+        # Samples the budgets between the workers' steps. The pause matters: a pure-Python busy
+        # loop holds the GIL for whole switch intervals, so every worker waiting on TensorStore
+        # (which releases the GIL) waits 5 ms to get it back, and the test takes minutes.
         while not stop.is_set():
             for tier in cache._tiers:
                 if tier.used > tier.budget:
                     over_budget.append((tier.name, tier.used))
+            time.sleep(0.0002)
 
     def work(tid: int):
         rng = np.random.default_rng(tid)
