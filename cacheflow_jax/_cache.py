@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
 import sys
 import threading
 import time
@@ -46,6 +47,7 @@ from cacheflow_jax._prefetch import (
     PrefetchScheduler,
     PrefetchSettings,
     PrefetchWorker,
+    load_prefetcher,
     new_counters,
 )
 from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
@@ -112,8 +114,11 @@ class TieredCache:
       host_bytes: L2 budget in bytes; 0 disables L2, otherwise at least the largest block.
       policy: a policy name (``"lfu"``, ``"lru"``, ``"lfu-plain"``) or a `Policy`.
       prefetcher: a `predictor.Predictor` (``observe`` / ``predict`` / ``reset``) that drives
-        asynchronous L3 -> L2 -> L1 loads of the blocks it expects next; None: no prefetch.
-        See `cacheflow_jax._prefetch` and ``prefetch``.
+        asynchronous L3 -> L2 -> L1 loads of the blocks it expects next; or the path of a
+        predictor checkpoint (``cacheflow train ... --out OUT`` writes ``OUT/checkpoint``), loaded
+        here: a damaged one (`predictor.CorruptCheckpointError`) warns once and the cache runs
+        without prefetch, a path that is no checkpoint raises `predictor.CheckpointError`;
+        None: no prefetch. See `cacheflow_jax._prefetch` and ``prefetch``.
       prefetch: how to prefetch (a `PrefetchSettings`); the defaults when None.
       clock: seconds, monotonic; injected for tests and replay.
       device: the L1 device; the default device if omitted.
@@ -158,7 +163,7 @@ class TieredCache:
         device_bytes: int,
         host_bytes: int,
         policy: str | Policy = "lfu",
-        prefetcher: Predictor | None = None,
+        prefetcher: Predictor | str | os.PathLike | None = None,
         prefetch: PrefetchSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         device: jax.Device | None = None,
@@ -214,6 +219,8 @@ class TieredCache:
         if prefetch is not None and not isinstance(prefetch, PrefetchSettings):
             raise TypeError(f"prefetch={prefetch!r} must be a PrefetchSettings or None")
         settings = prefetch or PrefetchSettings()
+        if isinstance(prefetcher, str | os.PathLike):
+            prefetcher = load_prefetcher(prefetcher)
         self.prefetcher = prefetcher
         self._clock = clock
         has_host = len(self._tiers) > HOST and self._tiers[HOST].budget > 0

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import statistics
 import threading
 import time
@@ -58,6 +59,30 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from predictor import Predictor
+
+
+def load_prefetcher(path: str | os.PathLike) -> Predictor | None:
+    """Loads a predictor checkpoint for a cache; a damaged one warns once and gives None.
+
+    A checkpoint that fails its integrity check (`predictor.CorruptCheckpointError`) must not
+    stop serving: the cache runs without prefetch, and says so once.
+
+    Raises:
+      predictor.CheckpointError: ``path`` is missing or not a checkpoint (a user error: fix the
+        path; a training output directory ``OUT`` holds its checkpoint in ``OUT/checkpoint``).
+    """
+    from predictor import CorruptCheckpointError
+    from predictor import load as load_predictor
+
+    try:
+        return load_predictor(path)
+    except CorruptCheckpointError as err:
+        warnings.warn(
+            f"prefetching turned off: {err}; the cache goes on serving without it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -340,6 +340,32 @@ def test_a_failing_or_slow_predictor_turns_prefetch_off_with_one_warning(
     assert not pf["enabled"] and pf["disabled_reason"]
 
 
+def test_a_predictor_checkpoint_path_loads_and_a_damaged_one_serves_without_prefetch(
+    tmp_path: Path,
+) -> None:
+    # Issue 9: a damaged predictor checkpoint must not stop the cache; it warns once and serves.
+    store, data = _store(tmp_path)
+    path = predictor.save(tmp_path / "ckpt", predictor.mlp(hidden=8))
+    cache = cfj.TieredCache(store, device_bytes=16 * KIB, host_bytes=0, prefetcher=str(path))
+    assert cache.stats()["prefetch"]["enabled"] and cache.prefetcher is not None
+    cache.close()
+    params = sorted(p for p in (path / "params").rglob("*") if p.is_file())
+    raw = bytearray(params[-1].read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    params[-1].write_bytes(bytes(raw))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = cfj.TieredCache(store, device_bytes=16 * KIB, host_bytes=0, prefetcher=path)
+        with cfj.serving(cache) as s:
+            for i in range(20):
+                assert np.array_equal(np.asarray(s.get(_key(i))), data[i : i + 1])
+    ours = [w for w in caught if "prefetching turned off" in str(w.message)]
+    assert len(ours) == 1 and str(params[-1]) in str(ours[0].message), [str(w.message) for w in caught]
+    assert cache.prefetcher is None and not cache.stats()["prefetch"]["enabled"]
+    with pytest.raises(predictor.CheckpointError, match="nowhere"):
+        cfj.TieredCache(store, device_bytes=16 * KIB, host_bytes=0, prefetcher=tmp_path / "nowhere")
+
+
 # ---------------------------------------------------------------------------------- replay
 
 
