@@ -51,6 +51,7 @@ import tensorstore as ts
 
 from bench._common import Report, check_runs, fmt_ratio, parser, summarize, timed
 from cacheflow_jax import TieredCache, open_store, serving, write_store
+from cacheflow_jax._demo import drop_page_cache
 
 NAME = "subblocks"
 STORES = ("orbax", "zarr3-raw", "write_store")
@@ -60,17 +61,6 @@ VARIANTS = ("cacheflow", "tensorstore", "tensorstore+pool", "all-resident")
 def _file_bytes() -> int:
     metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v.get("value", 0) for m in metrics for v in m["values"])
-
-
-def _drop(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _build(table: np.ndarray, where: Path) -> dict[str, Path]:
@@ -113,7 +103,7 @@ def _ids(args: Any, rows: int) -> list[np.ndarray]:
 def _pass(variant: str, path: Path, table: np.ndarray, batches: list, args: Any) -> dict:
     """One cold pass of one variant over one store; returns time and counters."""
     device_bytes, host_bytes = table.nbytes // 8, table.nbytes // 4
-    _drop(path)
+    drop_page_cache(path)
     out: dict[str, Any] = {}
     files_before = _file_bytes()
     if variant == "cacheflow":

@@ -253,6 +253,19 @@ def test_mlp_predict_applies_choose_to_its_scores() -> None:
         assert [k for k, _ in p.predict(4)] == want
 
 
+def test_host_scores_equal_the_jax_model() -> None:
+    # Serving scores in NumPy (no XLA dispatch behind the served model); the JAX model that
+    # training uses is the reference, on random and extreme inputs (large logits saturate).
+    p = predictor.mlp(seed=3, hidden=32)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, predictor.NUM_FEATURES)).astype(np.float32)
+    x[:4] *= 1000.0
+    want = np.asarray(predictor.score_candidates(*nnx.split(p.model()), x))
+    got = p.score(x)
+    assert got.shape == want.shape == (48, 2) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------
 # save / load
 
