@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cacheflow_jax._planner import Admission
     from predictor import Predictor
 
 
@@ -105,6 +106,10 @@ class PrefetchSettings:
         (deterministic; for tests and comparisons).
       promote: live worker only: a guess resident in L2 is moved up to L1 (with prefetch
         admission) instead of being skipped; counted in ``promoted``.
+      adaptive: a guess displaces the policy's victim only while guesses of its rank have been
+        used more often than displaced victims were demanded back before they would have left
+        anyway (both measured online; `cacheflow_jax._planner.Admission`). Off: every guess the
+        predictor does not rank below its victim is admitted.
     """
 
     k: int = 4
@@ -116,6 +121,7 @@ class PrefetchSettings:
     keys_known: bool = False
     synchronous: bool = False
     promote: bool = True
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -155,6 +161,9 @@ class PrefetchScheduler:
       describe: ``describe(key) -> (nbytes, kind)`` for the accesses given to the predictor.
       fetchable: ``fetchable(key)``: whether the store holds ``key`` (a prefetch is never issued
         for a key it does not).
+      admission: the planner's `cacheflow_jax._planner.Admission` when ``settings.adaptive``:
+        its measured victim return rate is the score a guess must reach (`floor`), instead of
+        the fixed ``min_score``.
     """
 
     def __init__(
@@ -164,8 +173,10 @@ class PrefetchScheduler:
         *,
         describe: Callable[[str], tuple[int, str]],
         fetchable: Callable[[str], bool],
+        admission: Admission | None = None,
     ) -> None:
         self.predictor = predictor
+        self.admission = admission
         self.settings = settings
         self._describe = describe
         self._fetchable = fetchable
@@ -208,7 +219,7 @@ class PrefetchScheduler:
                 )
                 return []
         out = []
-        floor = self.settings.min_score
+        floor = self.floor()
         for item in proposed:
             try:
                 key, score = item
@@ -219,6 +230,20 @@ class PrefetchScheduler:
             if score >= floor and isinstance(key, str) and self._fetchable(key):
                 out.append((key, score))
         return out
+
+    def floor(self) -> float:
+        """The lowest score of a guess worth loading now.
+
+        Without adaptive admission, ``min_score``. With it, the measured share of displaced
+        victims demanded again before they would have left (`Admission.victim_return`, its
+        prior at ``min_score``): a guess at least that likely to be used is worth the block it
+        displaces. Where displaced victims never come back, unlikely guesses are still worth
+        loading; where they often do, only likely ones are.
+        """
+        admission = self.admission
+        if admission is None:
+            return self.settings.min_score
+        return admission.victim_return()
 
     def disable(self, reason: str) -> None:
         """Turns prefetching off, warning once."""
