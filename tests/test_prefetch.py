@@ -493,3 +493,35 @@ def test_replay_reports_the_admission_rates(tmp_path: Path) -> None:
                  prefetcher=predictor.last_successor(),
                  prefetch=cfj.PrefetchSettings(adaptive=False))
     assert "admission" not in off["prefetch"]
+
+
+def test_the_score_floor_follows_the_measured_victim_return_rate() -> None:
+    from cacheflow_jax._planner import Admission
+    from cacheflow_jax._prefetch import PrefetchScheduler
+
+    class Fixed:
+        def observe(self, access) -> None:
+            pass
+
+        def predict(self, k: int) -> list[tuple[str, float]]:
+            return [("a", 0.9), ("b", 0.2), ("c", 0.02)][:k]
+
+        def reset(self) -> None:
+            pass
+
+    settings = cfj.PrefetchSettings(min_score=0.25)
+    describe, fetchable = (lambda key: (1, "other")), (lambda key: True)
+    fixed = PrefetchScheduler(Fixed(), settings, describe=describe, fetchable=fetchable)
+    assert [k for k, _ in fixed.candidates()] == ["a"]
+    adm = Admission(1, prior_return=settings.min_score)
+    sched = PrefetchScheduler(Fixed(), settings, describe=describe, fetchable=fetchable,
+                              admission=adm)
+    assert sched.floor() == 0.25 and [k for k, _ in sched.candidates()] == ["a"]  # cold: as today
+    for _ in range(100):  # displaced victims never come back before the next demand eviction
+        adm.victim_displaced("v", 0)
+        adm.demand_evicted(0)
+    assert sched.floor() < 0.01 and [k for k, _ in sched.candidates()] == ["a", "b", "c"]
+    for n in range(400):  # now they nearly all come back: a guess must be likely to be worth it
+        adm.victim_displaced(f"w{n}", 0)
+        adm.accessed(f"w{n}")
+    assert 0.5 < sched.floor() < 0.9 and [k for k, _ in sched.candidates()] == ["a"]
