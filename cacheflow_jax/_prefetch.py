@@ -6,7 +6,9 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
 * The hit path only appends the key to a feed (a deque; no lock, no I/O) and wakes the worker
   if it sleeps. A background worker thread feeds the accesses to the predictor, asks it for its
   top ``k`` keys after each batch of accesses, and keeps the candidates whose score is at least
-  ``min_score``, that the store holds and that are not resident or already moving. A newer
+  the floor (``min_score``; with adaptive admission, the measured share of displaced victims
+  that came back, see `PrefetchScheduler.floor`), that the store holds and that are not
+  resident or already moving. A newer
   prediction replaces the candidates not issued yet: those went stale.
 * Loads are issued in the predictor's order (its score ranks value and urgency together), at
   most ``inflight_bytes`` at a time. They read L3 asynchronously; the worker installs each block
@@ -15,6 +17,8 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
   predictor ranks the victim itself above the guess (it expects the victim back sooner);
   otherwise it goes to L2 by the same rule, or is dropped. A guess not used within its rank (in
   accesses) after it landed is stale, and stale guesses leave any tier first.
+  With ``adaptive`` (the default), a guess also displaces a victim only while guesses of its
+  rank have been used more often than displaced victims came back (`_planner.Admission`).
 * A guess already in L2 is *promoted*: the worker copies it up to L1, by the same prefetch
   admission, after issuing the round's L3 reads (``PrefetchSettings.promote``). This is the
   layer-ahead step of MoE offloading systems (experts in host memory go to the device while the
