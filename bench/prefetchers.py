@@ -14,7 +14,9 @@ bytes, once per prefetch option: ``none``, ``last-successor``, ``markov``, ``str
 and within .002 of the best baseline (the best of the other four). It writes
 ``prefetchers.json`` under ``--out`` (every replay's numbers, the settings, the machine).
 
-``--quick`` (a few minutes on 2 cores) runs the five shortest LIRS traces and the first 40,000
+``--fixed-admission`` replays with ``PrefetchSettings(adaptive=False)`` (the rule before adaptive
+admission); ``--hedge N`` serves the MLP with another ``hedge`` than training chose (an
+experiment knob). ``--quick`` (about a minute on 2 cores) runs the five shortest LIRS traces and the first 40,000
 accesses of Mooncake.
 """
 
@@ -36,20 +38,23 @@ NEAR = 0.002  # "within .002 of the best baseline"
 QUICK_MOONCAKE_LIMIT = 40_000
 
 
-def _predictor(name: str, checkpoint: str | None):
+def _predictor(name: str, checkpoint: str | None, hedge: int | None = None):
     import predictor
 
     if name == "none":
         return None
     if name == "mlp":
-        return predictor.load(checkpoint)
+        mlp = predictor.load(checkpoint)
+        if hedge is not None:
+            mlp.hedge = hedge  # a serving-time experiment: the checkpoint keeps its own
+        return mlp
     return {"last-successor": predictor.last_successor, "markov": predictor.markov,
             "stride": predictor.stride}[name]()
 
 
 def _job(args: tuple) -> dict:
     """Trains the MLP on one trace's head and replays every option on its tail."""
-    path, sizes, epochs, positions, lead, limit = args
+    path, sizes, epochs, positions, lead, limit, hedge, adaptive = args
     from cacheflow_jax._prefetch import PrefetchSettings
     from cacheflow_jax._replay import replay
     from cacheflow_jax._trace import parse_size, read_trace, split_point, write_log
@@ -73,7 +78,7 @@ def _job(args: tuple) -> dict:
         out["train_seconds"] = time.perf_counter() - t0
         out["selected"] = metrics["selected"]
         checkpoint = os.path.join(tmp, "out", "checkpoint")
-        settings = PrefetchSettings(lead=lead)
+        settings = PrefetchSettings(lead=lead, adaptive=adaptive)
         for size in sizes:
             device = parse_size(size, total=total, largest=largest, setting="--sizes",
                                 unit_size=unit)
@@ -81,7 +86,7 @@ def _job(args: tuple) -> dict:
             for name in OPTIONS:
                 t1 = time.perf_counter()
                 stats = replay(trace, device_bytes=device, host_bytes=0,
-                               prefetcher=_predictor(name, checkpoint),
+                               prefetcher=_predictor(name, checkpoint, hedge),
                                prefetch=settings if name != "none" else None, warmup=start)
                 pf = stats["prefetch"]
                 point["options"][name] = {
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--positions", type=int, default=20_000,
                    help="training positions sampled per trace (default 20000)")
     p.add_argument("--lead", type=int, default=1, help="prefetch lead in accesses (default 1)")
+    p.add_argument("--hedge", type=int, default=None,
+                   help="serve the MLP with this hedge instead of the one training chose")
+    p.add_argument("--fixed-admission", action="store_true",
+                   help="PrefetchSettings(adaptive=False): the fixed min_score and rank rule")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output folder")
     args = p.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -155,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         limits[traces[-1]] = QUICK_MOONCAKE_LIMIT
     else:
         traces = shared_traces()
-    jobs = [(t, sizes, args.epochs, args.positions, args.lead, limits.get(t)) for t in traces]
+    jobs = [(t, sizes, args.epochs, args.positions, args.lead, limits.get(t), args.hedge,
+             not args.fixed_admission) for t in traces]
     jobs.sort(key=lambda j: -os.path.getsize(j[0]))  # longest first: the pool ends together
     start = time.time()
     with ProcessPoolExecutor(args.workers) as ex:
