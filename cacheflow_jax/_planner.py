@@ -19,7 +19,12 @@ The decisions:
   3. for a prefetch, only if the victim is not worth more than the guess. The policy judges the
      long run, and it chose this block as the least worth keeping; the predictor judges the next
      few accesses, and if it ranks the victim itself above the guess (it expects the victim back
-     sooner), the victim stays and the guess is refused.
+     sooner), the victim stays and the guess is refused;
+  4. for a prefetch, with ``adaptive`` on, only if guesses of its rank have been worth more
+     than the victims they displace (`Admission`): the share of rank-``r`` guesses used before
+     they left, against the share of displaced victims demanded again while the room they left
+     was still held by unused guesses. Both are measured online, with priors that admit as
+     rule 3 alone does until the evidence says otherwise.
 
   It returns the victim's key, ``None`` when nothing can leave (every byte is in transit), or
   `REFUSED` when the newcomer may not displace the victim (it then goes to a lower tier or is
@@ -62,33 +67,41 @@ class Admission:
 
     * ``useful(r)``: of the guesses of rank ``r`` that landed and were resolved, the share used
       before they left (used against wasted);
-    * ``victim_return()``: of the policy's victims that a prefetch displaced, the share demanded
-      again before they would have left anyway. A victim is the policy's next to go: without
-      the prefetch it would have left at its tier's next demand eviction. So a displaced victim
-      is watched until then; accessed before, it *returned* (the prefetch cost a hit), else not.
+    * ``victim_return()``: the hits lost per guess that landed: the policy's victims that a
+      prefetch displaced and that were demanded again while the room they left was still held
+      by unused guesses, per guess (most guesses displace a stale guess, which costs nothing,
+      or fill free room). That is what a guess costs: a guess that is used would have come in on its demand miss anyway, displacing a
+      victim then; one that is never used has kept the victim out for nothing for as long as
+      it, and the guesses that displace it in turn when it goes stale, hold its room. So a
+      displaced victim is watched until the guess holding its room (the last of that chain) is
+      used or leaves for a demand newcomer; accessed before, it *returned* (a hit lost).
 
-    A guess displaces a victim only when ``useful(r) >= victim_return()``. Priors: each rank
-    starts with `PRIOR` used guesses and none wasted (usefulness 1), the victims with `PRIOR`
-    that did not return (rate 0), so a cold cache admits as it would without this rule. Counts
-    are halved past `HALF` events, so both rates follow a stream that changes. No constant is
-    fitted to a trace: the window is the tier's own eviction clock.
+    A guess displaces a victim only when ``useful(r) >= victim_return()``, and the scheduler
+    loads a guess only if its score reaches ``victim_return()``. While a rank is refused, one
+    guess in `EXPLORE` is admitted anyway, so that its rate goes on being measured and a
+    stream that changes is followed. Priors: each rank starts with
+    `PRIOR` used guesses and none wasted (usefulness 1), the victims with `PRIOR` at the rate
+    ``prior_return`` (the cache passes ``min_score``), so a cold cache behaves as with the fixed
+    rule. Counts are halved past `HALF` events, so both rates follow a stream that changes.
     """
 
     PRIOR = 2.0  # pseudo-events behind the cold-start rates
     HALF = 512.0  # counts are halved past this many events: the rates follow the recent stream
     MAX_WATCHED = 4096  # displaced victims watched at once (the oldest are resolved first)
+    EXPLORE = 16  # while refused, one guess in this many is admitted to keep measuring
 
-    __slots__ = ("prior_return", "used", "tried", "returned", "resolved", "displaced", "watching", "refused")
+    __slots__ = ("prior_return", "used", "tried", "returned", "landed", "holder", "held",
+                 "watching", "refused")
 
     def __init__(self, num_tiers: int, *, prior_return: float = 0.0) -> None:
         self.prior_return = prior_return
         self.used: dict[int, float] = {}  # rank -> guesses used (decayed)
         self.tried: dict[int, float] = {}  # rank -> guesses resolved, used or wasted (decayed)
         self.returned = 0.0  # displaced victims demanded again in time (decayed)
-        self.resolved = 0.0  # displaced victims resolved (decayed)
-        # Per tier, the watched victims (key -> None), oldest first; ``watching``: their number.
-        self.displaced: list[dict[str, None]] = [{} for _ in range(num_tiers)]
-        self.watching = 0
+        self.landed = 0.0  # guesses that landed (decayed with ``returned``)
+        self.holder: dict[str, str] = {}  # watched victim -> the guess holding its room
+        self.held: dict[str, list[str]] = {}  # guess -> the victims whose room it holds
+        self.watching = 0  # len(holder): tested on each access
         self.refused = 0  # guesses this rule kept out
 
     def useful(self, rank: int) -> float:
@@ -97,16 +110,16 @@ class Admission:
         return (self.used.get(rank, 0.0) + prior) / (self.tried.get(rank, 0.0) + prior)
 
     def victim_return(self) -> float:
-        """The share of displaced victims demanded again before they would have left."""
+        """Displaced victims demanded again while a guess held their room, per guess landed."""
         prior = self.PRIOR
-        return (self.returned + prior * self.prior_return) / (self.resolved + prior)
+        return min(1.0, (self.returned + prior * self.prior_return) / (self.landed + prior))
 
     def admits(self, rank: int) -> bool:
         """Whether a rank-``rank`` guess may displace a policy victim now."""
         if self.useful(rank) >= self.victim_return():
             return True
         self.refused += 1
-        return False
+        return self.refused % self.EXPLORE == 0
 
     def guess_resolved(self, rank: int, used: bool) -> None:
         """A guess of rank ``rank`` was used, or left unused."""
@@ -117,40 +130,57 @@ class Admission:
         self.tried[rank] = tried
         self.used[rank] = used_n
 
-    def victim_displaced(self, key: str, tier: int) -> None:
-        """A prefetch displaced the policy's victim ``key`` from ``tier``: watch it."""
-        displaced = self.displaced[tier]
-        if len(displaced) >= self.MAX_WATCHED:
-            del displaced[next(iter(displaced))]
-            self.watching -= 1
-            self._resolve(False)
-        if key not in displaced:
-            self.watching += 1
-        displaced[key] = None
+    def guess_landed(self) -> None:
+        """A guess went into a tier."""
+        self.landed += 1.0
+        if self.landed > self.HALF:
+            self.landed /= 2
+            self.returned /= 2
 
-    def demand_evicted(self, tier: int) -> None:
-        """A demand newcomer evicts from ``tier``: its watched victims would have left now."""
-        displaced = self.displaced[tier]
-        if displaced:
-            for _ in range(len(displaced)):
-                self._resolve(False)
-            self.watching -= len(displaced)
-            displaced.clear()
+    def victim_displaced(self, victim: str, guess: str) -> None:
+        """The guess ``guess`` displaced the policy's victim ``victim``: watch it."""
+        holder = self.holder
+        if victim in holder:
+            return
+        if len(holder) >= self.MAX_WATCHED:
+            oldest, by = next(iter(holder.items()))
+            del holder[oldest]
+            victims = self.held[by]
+            victims.remove(oldest)
+            if not victims:
+                del self.held[by]
+        holder[victim] = guess
+        self.held.setdefault(guess, []).append(victim)
+        self.watching = len(holder)
+
+    def room_passed(self, stale: str, guess: str) -> None:
+        """The stale guess ``stale`` leaves for the guess ``guess``: the room stays with guesses."""
+        victims = self.held.pop(stale, None)
+        if victims:
+            holder = self.holder
+            for victim in victims:
+                holder[victim] = guess
+            self.held.setdefault(guess, []).extend(victims)
+
+    def room_freed(self, guess: str) -> None:
+        """``guess`` was used, or left for a demand newcomer: its victims' watch ends."""
+        victims = self.held.pop(guess, None)
+        if victims:
+            holder = self.holder
+            for victim in victims:
+                del holder[victim]
+            self.watching = len(holder)
 
     def accessed(self, key: str) -> None:
         """``key`` is accessed: a watched victim demanded again has returned."""
-        for displaced in self.displaced:
-            if key in displaced:
-                del displaced[key]
-                self.watching -= 1
-                self._resolve(True)
-
-    def _resolve(self, returned: bool) -> None:
-        self.resolved += 1.0
-        self.returned += 1.0 if returned else 0.0
-        if self.resolved > self.HALF:
-            self.resolved /= 2
-            self.returned /= 2
+        guess = self.holder.pop(key, None)
+        if guess is not None:
+            victims = self.held[guess]
+            victims.remove(key)
+            if not victims:
+                del self.held[guess]
+            self.watching = len(self.holder)
+            self.returned += 1.0
 
     def describe(self) -> dict:
         """The rates, for stats: per-rank usefulness, the victims' return rate, refusals."""
@@ -229,6 +259,7 @@ class Planner:
                     self.unused_blocks -= 1
                     if admission is not None:
                         admission.guess_resolved(rank, True)
+                        admission.room_freed(key)
                     return True
         return False
 
@@ -248,8 +279,11 @@ class Planner:
         if unused:
             key, (due, _) = next(iter(unused.items()))
             if due < self.count:
-                if admission is not None and not prefetch and newcomer is not None:
-                    admission.demand_evicted(tier)
+                if admission is not None and newcomer is not None:
+                    if prefetch:
+                        admission.room_passed(key, newcomer)
+                    else:
+                        admission.room_freed(key)
                 return key  # stale: it was not used when it was expected to be
         victim = self._victim(self.state, tier)
         if victim is None:
@@ -261,12 +295,10 @@ class Planner:
         if prefetch:
             if self.ranking.get(victim, rank + 1) < rank:
                 return REFUSED
-            if admission is not None:
+            if admission is not None and newcomer is not None:
                 if not admission.admits(rank):
                     return REFUSED
-                admission.victim_displaced(victim, tier)
-        elif admission is not None and newcomer is not None:
-            admission.demand_evicted(tier)
+                admission.victim_displaced(victim, newcomer)
         return victim
 
     def remove(self, tier: int, key: str) -> bool:
@@ -278,6 +310,7 @@ class Planner:
                 self.unused_blocks -= 1
                 if self.admission is not None:
                     self.admission.guess_resolved(guess[1], False)
+                    self.admission.room_freed(key)
                 return True
         return False
 
@@ -302,6 +335,14 @@ class Planner:
             if key not in unused:
                 self.unused_blocks += 1
             unused[key] = (self.count + rank, rank)
+            if self.admission is not None:
+                self.admission.guess_landed()
+        elif self.admission is not None and key in self.admission.held:
+            # A newcomer admitted as a prefetch that goes in as an ordinary resident (the live
+            # worker's promotion from L2, or a prefetch a demand access took over): it landed,
+            # and the room it took is no guess's any more.
+            self.admission.guess_landed()
+            self.admission.room_freed(key)
 
     def destination(self, tier: int, was_unused: bool) -> int | None:
         """Where a victim of ``tier`` goes: L2 (for L1's, when there is one) or None (out)."""

@@ -448,6 +448,9 @@ def test_adaptive_admission_refuses_a_rank_whose_guesses_cost_more_than_they_gav
     adm = planner.admission
     assert adm.useful(2) < adm.victim_return() and adm.refused == 1
     assert planner.victim(0, "late", prefetch=True, rank=2) is REFUSED
+    # One refused guess in EXPLORE is admitted anyway, so the rates go on being measured.
+    tries = [planner.victim(0, f"try{n}", prefetch=True, rank=2) for n in range(adm.EXPLORE)]
+    assert [t is REFUSED for t in tries].count(False) == 1
     # Rank 1 has no bad record (its prior says useful): still admitted against the victim.
     assert isinstance(planner.victim(0, "soon", prefetch=True, rank=1), str)
     # A demand newcomer is never judged by it.
@@ -471,10 +474,11 @@ def test_adaptive_admission_recovers_when_guesses_pay_off_again() -> None:
     # Rank-2 guesses now land in free room and are used; displaced victims stop coming back
     # (the tier's next demand eviction comes first): both rates move, and rank 2 is admitted
     # again.
-    for _ in range(16):
+    for n in range(16):
+        adm.guess_landed()
         adm.guess_resolved(2, True)
-        adm.victim_displaced("gone", 0)
-        adm.demand_evicted(0)
+        adm.victim_displaced(f"gone{n}", f"used{n}")
+        adm.room_freed(f"used{n}")  # the guess was used before its victim came back
     assert adm.useful(2) > adm.victim_return()
     assert isinstance(planner.victim(0, "again", prefetch=True, rank=2), str)
 
@@ -517,11 +521,29 @@ def test_the_score_floor_follows_the_measured_victim_return_rate() -> None:
     sched = PrefetchScheduler(Fixed(), settings, describe=describe, fetchable=fetchable,
                               admission=adm)
     assert sched.floor() == 0.25 and [k for k, _ in sched.candidates()] == ["a"]  # cold: as today
-    for _ in range(100):  # displaced victims never come back before the next demand eviction
-        adm.victim_displaced("v", 0)
-        adm.demand_evicted(0)
+    for n in range(100):  # guesses land; the victims they displace never come back in time
+        adm.guess_landed()
+        adm.victim_displaced(f"v{n}", f"g{n}")
+        adm.room_freed(f"g{n}")
     assert sched.floor() < 0.01 and [k for k, _ in sched.candidates()] == ["a", "b", "c"]
-    for n in range(400):  # now they nearly all come back: a guess must be likely to be worth it
-        adm.victim_displaced(f"w{n}", 0)
-        adm.accessed(f"w{n}")
-    assert 0.5 < sched.floor() < 0.9 and [k for k, _ in sched.candidates()] == ["a"]
+    for n in range(1000):  # now every other one comes back while a guess holds its room
+        adm.guess_landed()
+        adm.victim_displaced(f"w{n}", f"h{n}")
+        if n % 2:
+            adm.accessed(f"w{n}")
+        adm.room_freed(f"h{n}")
+    assert 0.4 < sched.floor() < 0.6 and [k for k, _ in sched.candidates()] == ["a"]
+
+
+def test_a_displaced_victim_counts_while_guesses_hold_its_room() -> None:
+    from cacheflow_jax._planner import Admission
+
+    adm = Admission(1)
+    adm.victim_displaced("v", "g1")
+    adm.room_passed("g1", "g2")  # g1 went stale and left for the guess g2: v's room still held
+    adm.accessed("v")  # v is demanded: the guesses cost this hit
+    assert adm.returned == 1 and adm.watching == 0
+    adm.victim_displaced("u", "g3")
+    adm.room_freed("g3")  # g3 was used (or left for a demand newcomer): u would be out anyway
+    adm.accessed("u")
+    assert adm.returned == 1 and adm.watching == 0 and not adm.held
