@@ -22,9 +22,9 @@ The decisions:
      sooner), the victim stays and the guess is refused;
   4. for a prefetch, with ``adaptive`` on, only if guesses of its rank have been worth more
      than the victims they displace (`Admission`): the share of rank-``r`` guesses used before
-     they left, against the share of displaced victims demanded again while the room they left
-     was still held by unused guesses. Both are measured online, with priors that admit as
-     rule 3 alone does until the evidence says otherwise.
+     they left, against the hits lost per guess (displaced victims demanded again while the
+     room they left was still held by unused guesses). Both are measured online, with priors
+     that admit as rule 3 alone does until the evidence says otherwise.
 
   It returns the victim's key, ``None`` when nothing can leave (every byte is in transit), or
   `REFUSED` when the newcomer may not displace the victim (it then goes to a lower tier or is

@@ -111,8 +111,9 @@ class PrefetchSettings:
       promote: live worker only: a guess resident in L2 is moved up to L1 (with prefetch
         admission) instead of being skipped; counted in ``promoted``.
       adaptive: a guess displaces the policy's victim only while guesses of its rank have been
-        used more often than displaced victims were demanded back before they would have left
-        anyway (both measured online; `cacheflow_jax._planner.Admission`). Off: every guess the
+        used more often than a guess costs (hits lost to the victims it displaced), and it is
+        loaded only if its score reaches that cost, instead of ``min_score`` (both measured
+        online; `cacheflow_jax._planner.Admission`). Off: ``min_score``, and every guess the
         predictor does not rank below its victim is admitted.
     """
 
@@ -238,11 +239,10 @@ class PrefetchScheduler:
     def floor(self) -> float:
         """The lowest score of a guess worth loading now.
 
-        Without adaptive admission, ``min_score``. With it, the measured share of displaced
-        victims demanded again before they would have left (`Admission.victim_return`, its
-        prior at ``min_score``): a guess at least that likely to be used is worth the block it
-        displaces. Where displaced victims never come back, unlikely guesses are still worth
-        loading; where they often do, only likely ones are.
+        Without adaptive admission, ``min_score``. With it, what a guess has cost: the hits lost
+        per guess landed (`Admission.victim_return`, its prior at ``min_score``); a guess at
+        least that likely to be used is worth loading. Where displaced victims never come back,
+        unlikely guesses are still worth it; where they often do, only likely ones are.
         """
         admission = self.admission
         if admission is None:
