@@ -131,7 +131,7 @@ def table(results: list[dict]) -> str:
                 cells.append(f"{o['device_miss_ratio']:.4f}{mark}{acc}")
             lines.append(cells)
     widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head)] + [fmt.format(*c) for c in lines])
 
 
