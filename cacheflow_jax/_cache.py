@@ -229,6 +229,8 @@ class TieredCache:
             len(self._tiers),
             has_host=has_host,
             tracking=prefetcher is not None,
+            adaptive=settings.adaptive,
+            prior_return=settings.min_score,
         )
         self._pstate = self._planner.state
         # The planner's `access` (True on a prefetched block's first use); without prefetch, the
@@ -1218,7 +1220,11 @@ class TieredCache:
             return info.nbytes, self._kinds.get(key) or kind_of(info)
 
         self._pf_scheduler = PrefetchScheduler(
-            predictor, settings, describe=describe, fetchable=fetchable
+            predictor,
+            settings,
+            describe=describe,
+            fetchable=fetchable,
+            admission=self._planner.admission,
         )
         if replay or settings.synchronous:
             self._pf_replay = _ReplayPrefetch(self, settings, seen, data=not replay)
@@ -1542,6 +1548,8 @@ class TieredCache:
             tiers = {t.name: {"used": t.used, "budget": t.budget, "blocks": len(t.entries)}
                      for t in self._tiers}  # fmt: skip
             policy = self._planner.describe()
+            adm = self._planner.admission
+            admission = adm.describe() if adm is not None else None
         if _tensorstore_store(self.store):
             l3.update(self.store.read_stats())  # bytes read vs served (read amplification)
         requests = n["device"] + n["host"] + n["miss"]
@@ -1554,6 +1562,8 @@ class TieredCache:
             prefetch["disabled_reason"] = scheduler.disabled
             prefetch["predictions"] = scheduler.predictions
             prefetch["predict_us"] = _ratio(scheduler.predict_seconds * 1e6, scheduler.predictions)
+        if admission is not None:
+            prefetch["admission"] = admission
         return {
             "requests": requests,
             "hits": {"device": n["device"], "host": n["host"]},

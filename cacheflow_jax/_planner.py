@@ -19,7 +19,12 @@ The decisions:
   3. for a prefetch, only if the victim is not worth more than the guess. The policy judges the
      long run, and it chose this block as the least worth keeping; the predictor judges the next
      few accesses, and if it ranks the victim itself above the guess (it expects the victim back
-     sooner), the victim stays and the guess is refused.
+     sooner), the victim stays and the guess is refused;
+  4. for a prefetch, with ``adaptive`` on, only if guesses of its rank have been worth more
+     than the victims they displace (`Admission`): the share of rank-``r`` guesses used before
+     they left, against the hits lost per guess (displaced victims demanded again while the
+     room they left was still held by unused guesses). Both are measured online, with priors
+     that admit as rule 3 alone does until the evidence says otherwise.
 
   It returns the victim's key, ``None`` when nothing can leave (every byte is in transit), or
   `REFUSED` when the newcomer may not displace the victim (it then goes to a lower tier or is
@@ -31,7 +36,9 @@ The decisions:
 * ``ranking``: the predictor's latest proposals, key -> rank (1 first), set by the scheduler.
 
 Cost: with prefetch off, one attribute test per access on top of the policy's; on, a counter
-increment and a dict lookup per tier.
+increment and a dict lookup per tier (and one more while displaced victims are watched). A hit
+on a block that is no unused guess never reaches the planner in the live cache (`_drain`), so
+none of this is on the hit path.
 """
 
 from __future__ import annotations
@@ -53,6 +60,137 @@ class _Refused:
 REFUSED: Any = _Refused()  # `Planner.victim`: the newcomer may not displace the victim
 
 
+class Admission:
+    """Adaptive prefetch admission: is a guess of rank ``r`` worth the victim it displaces?
+
+    Two rates, measured online (the module doc, rule 4):
+
+    * ``useful(r)``: of the guesses of rank ``r`` that landed and were resolved, the share used
+      before they left (used against wasted);
+    * ``victim_return()``: the hits lost per guess that landed: the policy's victims that a
+      prefetch displaced and that were demanded again while the room they left was still held
+      by unused guesses, per guess (most guesses displace a stale guess, which costs nothing,
+      or fill free room). That is what a guess costs: a guess that is used would have come in on its demand miss anyway, displacing a
+      victim then; one that is never used has kept the victim out for nothing for as long as
+      it, and the guesses that displace it in turn when it goes stale, hold its room. So a
+      displaced victim is watched until the guess holding its room (the last of that chain) is
+      used or leaves for a demand newcomer; accessed before, it *returned* (a hit lost).
+
+    A guess displaces a victim only when ``useful(r) >= victim_return()``, and the scheduler
+    loads a guess only if its score reaches ``victim_return()``. While a rank is refused, one
+    guess in `EXPLORE` is admitted anyway, so that its rate goes on being measured and a
+    stream that changes is followed. Priors: each rank starts with
+    `PRIOR` used guesses and none wasted (usefulness 1), the victims with `PRIOR` at the rate
+    ``prior_return`` (the cache passes ``min_score``), so a cold cache behaves as with the fixed
+    rule. Counts are halved past `HALF` events, so both rates follow a stream that changes.
+    """
+
+    PRIOR = 2.0  # pseudo-events behind the cold-start rates
+    HALF = 512.0  # counts are halved past this many events: the rates follow the recent stream
+    MAX_WATCHED = 4096  # displaced victims watched at once (the oldest are resolved first)
+    EXPLORE = 16  # while refused, one guess in this many is admitted to keep measuring
+
+    __slots__ = ("prior_return", "used", "tried", "returned", "landed", "holder", "held",
+                 "watching", "refused")
+
+    def __init__(self, num_tiers: int, *, prior_return: float = 0.0) -> None:
+        self.prior_return = prior_return
+        self.used: dict[int, float] = {}  # rank -> guesses used (decayed)
+        self.tried: dict[int, float] = {}  # rank -> guesses resolved, used or wasted (decayed)
+        self.returned = 0.0  # displaced victims demanded again in time (decayed)
+        self.landed = 0.0  # guesses that landed (decayed with ``returned``)
+        self.holder: dict[str, str] = {}  # watched victim -> the guess holding its room
+        self.held: dict[str, list[str]] = {}  # guess -> the victims whose room it holds
+        self.watching = 0  # len(holder): tested on each access
+        self.refused = 0  # guesses this rule kept out
+
+    def useful(self, rank: int) -> float:
+        """The share of rank-``rank`` guesses used before they left (with the prior)."""
+        prior = self.PRIOR
+        return (self.used.get(rank, 0.0) + prior) / (self.tried.get(rank, 0.0) + prior)
+
+    def victim_return(self) -> float:
+        """Displaced victims demanded again while a guess held their room, per guess landed."""
+        prior = self.PRIOR
+        return min(1.0, (self.returned + prior * self.prior_return) / (self.landed + prior))
+
+    def admits(self, rank: int) -> bool:
+        """Whether a rank-``rank`` guess may displace a policy victim now."""
+        if self.useful(rank) >= self.victim_return():
+            return True
+        self.refused += 1
+        return self.refused % self.EXPLORE == 0
+
+    def guess_resolved(self, rank: int, used: bool) -> None:
+        """A guess of rank ``rank`` was used, or left unused."""
+        tried = self.tried.get(rank, 0.0) + 1.0
+        used_n = self.used.get(rank, 0.0) + (1.0 if used else 0.0)
+        if tried > self.HALF:
+            tried, used_n = tried / 2, used_n / 2
+        self.tried[rank] = tried
+        self.used[rank] = used_n
+
+    def guess_landed(self) -> None:
+        """A guess went into a tier."""
+        self.landed += 1.0
+        if self.landed > self.HALF:
+            self.landed /= 2
+            self.returned /= 2
+
+    def victim_displaced(self, victim: str, guess: str) -> None:
+        """The guess ``guess`` displaced the policy's victim ``victim``: watch it."""
+        holder = self.holder
+        if victim in holder:
+            return
+        if len(holder) >= self.MAX_WATCHED:
+            oldest, by = next(iter(holder.items()))
+            del holder[oldest]
+            victims = self.held[by]
+            victims.remove(oldest)
+            if not victims:
+                del self.held[by]
+        holder[victim] = guess
+        self.held.setdefault(guess, []).append(victim)
+        self.watching = len(holder)
+
+    def room_passed(self, stale: str, guess: str) -> None:
+        """The stale guess ``stale`` leaves for the guess ``guess``: the room stays with guesses."""
+        victims = self.held.pop(stale, None)
+        if victims:
+            holder = self.holder
+            for victim in victims:
+                holder[victim] = guess
+            self.held.setdefault(guess, []).extend(victims)
+
+    def room_freed(self, guess: str) -> None:
+        """``guess`` was used, or left for a demand newcomer: its victims' watch ends."""
+        victims = self.held.pop(guess, None)
+        if victims:
+            holder = self.holder
+            for victim in victims:
+                del holder[victim]
+            self.watching = len(holder)
+
+    def accessed(self, key: str) -> None:
+        """``key`` is accessed: a watched victim demanded again has returned."""
+        guess = self.holder.pop(key, None)
+        if guess is not None:
+            victims = self.held[guess]
+            victims.remove(key)
+            if not victims:
+                del self.held[guess]
+            self.watching = len(self.holder)
+            self.returned += 1.0
+
+    def describe(self) -> dict:
+        """The rates, for stats: per-rank usefulness, the victims' return rate, refusals."""
+        return {
+            "useful": {r: round(self.useful(r), 4) for r in sorted(self.tried)},
+            "victim_return": round(self.victim_return(), 4),
+            "refused": self.refused,
+        }
+
+
 class Planner:
     """Decides victims, admission and destinations over one policy's state (see the module doc).
 
@@ -62,18 +200,29 @@ class Planner:
       has_host: whether L2 holds blocks (budget > 0); L1's victims go there if so.
       tracking: keep the prefetch bookkeeping (access count, unused prefetched blocks, the
         predictor's ranking); off, it costs nothing per access.
+      adaptive: with ``tracking``, judge guesses against their victims by measured rates
+        (`Admission`, rule 4 of the module doc).
+      prior_return: `Admission`'s cold-start victim return rate (the cache passes
+        ``PrefetchSettings.min_score``, so a cold scheduler keeps today's score floor).
 
     Not thread-safe: the cache calls it under its lock (replay from one thread).
     """
 
     __slots__ = (
         "policy", "state", "admit", "has_host", "tracking", "count", "unused", "unused_blocks",
-        "ranking",
+        "ranking", "admission",
         "_access", "_victim", "_insert", "_remove",
     )  # fmt: skip
 
     def __init__(
-        self, policy: Policy, num_tiers: int, *, has_host: bool, tracking: bool = False
+        self,
+        policy: Policy,
+        num_tiers: int,
+        *,
+        has_host: bool,
+        tracking: bool = False,
+        adaptive: bool = False,
+        prior_return: float = 0.0,
     ) -> None:
         self.policy = policy
         self.state = policy.init(num_tiers)
@@ -81,11 +230,14 @@ class Planner:
         self.has_host = has_host
         self.tracking = tracking
         self.count = 0  # accesses seen (prefetch bookkeeping only)
-        # Per tier, the unused prefetched blocks: key -> the access count by which each was
-        # expected to be used, oldest first.
-        self.unused: list[dict[str, int]] = [{} for _ in range(num_tiers)]
+        # Per tier, the unused prefetched blocks: key -> (the access count by which each was
+        # expected to be used, its rank), oldest first.
+        self.unused: list[dict[str, tuple[int, int]]] = [{} for _ in range(num_tiers)]
         self.unused_blocks = 0  # their number, over all tiers
         self.ranking: dict[str, int] = {}  # the predictor's latest proposals: key -> rank
+        self.admission = (
+            Admission(num_tiers, prior_return=prior_return) if tracking and adaptive else None
+        )
         self._access = policy.access
         self._victim = policy.victim
         self._insert = policy.insert
@@ -97,11 +249,17 @@ class Planner:
         if not self.tracking:
             return False
         self.count += 1
+        admission = self.admission
+        if admission is not None and admission.watching:
+            admission.accessed(key)
         if self.unused_blocks:  # the usual case on a hit: no guess waits to be used
             for unused in self.unused:
                 if key in unused:
-                    del unused[key]
+                    rank = unused.pop(key)[1]
                     self.unused_blocks -= 1
+                    if admission is not None:
+                        admission.guess_resolved(rank, True)
+                        admission.room_freed(key)
                     return True
         return False
 
@@ -117,9 +275,15 @@ class Planner:
           A key, None (nothing resident can leave), or `REFUSED`.
         """
         unused = self.unused[tier]
+        admission = self.admission
         if unused:
-            key, due = next(iter(unused.items()))
+            key, (due, _) = next(iter(unused.items()))
             if due < self.count:
+                if admission is not None and newcomer is not None:
+                    if prefetch:
+                        admission.room_passed(key, newcomer)
+                    else:
+                        admission.room_freed(key)
                 return key  # stale: it was not used when it was expected to be
         victim = self._victim(self.state, tier)
         if victim is None:
@@ -128,16 +292,26 @@ class Planner:
             self.state, newcomer, victim
         ):
             return REFUSED
-        if prefetch and self.ranking.get(victim, rank + 1) < rank:
-            return REFUSED
+        if prefetch:
+            if self.ranking.get(victim, rank + 1) < rank:
+                return REFUSED
+            if admission is not None and newcomer is not None:
+                if not admission.admits(rank):
+                    return REFUSED
+                admission.victim_displaced(victim, newcomer)
         return victim
 
     def remove(self, tier: int, key: str) -> bool:
         """Forgets ``key`` in ``tier``; returns True if it was an unused prefetch (wasted)."""
         self._remove(self.state, tier, key)
-        if self.unused_blocks and self.unused[tier].pop(key, None) is not None:
-            self.unused_blocks -= 1
-            return True
+        if self.unused_blocks:
+            guess = self.unused[tier].pop(key, None)
+            if guess is not None:
+                self.unused_blocks -= 1
+                if self.admission is not None:
+                    self.admission.guess_resolved(guess[1], False)
+                    self.admission.room_freed(key)
+                return True
         return False
 
     def insert(
@@ -160,7 +334,15 @@ class Planner:
             unused = self.unused[tier]
             if key not in unused:
                 self.unused_blocks += 1
-            unused[key] = self.count + rank
+            unused[key] = (self.count + rank, rank)
+            if self.admission is not None:
+                self.admission.guess_landed()
+        elif self.admission is not None and key in self.admission.held:
+            # A newcomer admitted as a prefetch that goes in as an ordinary resident (the live
+            # worker's promotion from L2, or a prefetch a demand access took over): it landed,
+            # and the room it took is no guess's any more.
+            self.admission.guess_landed()
+            self.admission.room_freed(key)
 
     def destination(self, tier: int, was_unused: bool) -> int | None:
         """Where a victim of ``tier`` goes: L2 (for L1's, when there is one) or None (out)."""

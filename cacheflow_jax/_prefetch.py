@@ -6,7 +6,9 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
 * The hit path only appends the key to a feed (a deque; no lock, no I/O) and wakes the worker
   if it sleeps. A background worker thread feeds the accesses to the predictor, asks it for its
   top ``k`` keys after each batch of accesses, and keeps the candidates whose score is at least
-  ``min_score``, that the store holds and that are not resident or already moving. A newer
+  the floor (``min_score``; with adaptive admission, the measured share of displaced victims
+  that came back, see `PrefetchScheduler.floor`), that the store holds and that are not
+  resident or already moving. A newer
   prediction replaces the candidates not issued yet: those went stale.
 * Loads are issued in the predictor's order (its score ranks value and urgency together), at
   most ``inflight_bytes`` at a time. They read L3 asynchronously; the worker installs each block
@@ -15,6 +17,8 @@ asked for. What it must not do is slow the hit path or pollute the cache with wr
   predictor ranks the victim itself above the guess (it expects the victim back sooner);
   otherwise it goes to L2 by the same rule, or is dropped. A guess not used within its rank (in
   accesses) after it landed is stale, and stale guesses leave any tier first.
+  With ``adaptive`` (the default), a guess also displaces a victim only while guesses of its
+  rank have been used more often than displaced victims came back (`_planner.Admission`).
 * A guess already in L2 is *promoted*: the worker copies it up to L1, by the same prefetch
   admission, after issuing the round's L3 reads (``PrefetchSettings.promote``). This is the
   layer-ahead step of MoE offloading systems (experts in host memory go to the device while the
@@ -58,6 +62,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cacheflow_jax._planner import Admission
     from predictor import Predictor
 
 
@@ -105,6 +110,11 @@ class PrefetchSettings:
         (deterministic; for tests and comparisons).
       promote: live worker only: a guess resident in L2 is moved up to L1 (with prefetch
         admission) instead of being skipped; counted in ``promoted``.
+      adaptive: a guess displaces the policy's victim only while guesses of its rank have been
+        used more often than a guess costs (hits lost to the victims it displaced), and it is
+        loaded only if its score reaches that cost, instead of ``min_score`` (both measured
+        online; `cacheflow_jax._planner.Admission`). Off: ``min_score``, and every guess the
+        predictor does not rank below its victim is admitted.
     """
 
     k: int = 4
@@ -116,6 +126,7 @@ class PrefetchSettings:
     keys_known: bool = False
     synchronous: bool = False
     promote: bool = True
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -155,6 +166,9 @@ class PrefetchScheduler:
       describe: ``describe(key) -> (nbytes, kind)`` for the accesses given to the predictor.
       fetchable: ``fetchable(key)``: whether the store holds ``key`` (a prefetch is never issued
         for a key it does not).
+      admission: the planner's `cacheflow_jax._planner.Admission` when ``settings.adaptive``:
+        its measured victim return rate is the score a guess must reach (`floor`), instead of
+        the fixed ``min_score``.
     """
 
     def __init__(
@@ -164,8 +178,10 @@ class PrefetchScheduler:
         *,
         describe: Callable[[str], tuple[int, str]],
         fetchable: Callable[[str], bool],
+        admission: Admission | None = None,
     ) -> None:
         self.predictor = predictor
+        self.admission = admission
         self.settings = settings
         self._describe = describe
         self._fetchable = fetchable
@@ -208,7 +224,7 @@ class PrefetchScheduler:
                 )
                 return []
         out = []
-        floor = self.settings.min_score
+        floor = self.floor()
         for item in proposed:
             try:
                 key, score = item
@@ -219,6 +235,19 @@ class PrefetchScheduler:
             if score >= floor and isinstance(key, str) and self._fetchable(key):
                 out.append((key, score))
         return out
+
+    def floor(self) -> float:
+        """The lowest score of a guess worth loading now.
+
+        Without adaptive admission, ``min_score``. With it, what a guess has cost: the hits lost
+        per guess landed (`Admission.victim_return`, its prior at ``min_score``); a guess at
+        least that likely to be used is worth loading. Where displaced victims never come back,
+        unlikely guesses are still worth it; where they often do, only likely ones are.
+        """
+        admission = self.admission
+        if admission is None:
+            return self.settings.min_score
+        return admission.victim_return()
 
     def disable(self, reason: str) -> None:
         """Turns prefetching off, warning once."""

@@ -396,3 +396,154 @@ def test_replay_with_prefetch_lead_and_keys_known(tmp_path: Path) -> None:
                   prefetcher=predictor.last_successor(), prefetch=cfj.PrefetchSettings(lead=1),
                   warmup=80)  # fmt: skip
     assert warm["requests"] == len(keys) - 80 and warm["device_miss_ratio"] < 0.05
+
+
+# --------------------------------------------------------------------- adaptive admission
+
+
+def _planner(*, adaptive: bool):
+    from cacheflow_jax._planner import Planner
+    from cacheflow_jax.policies import get_policy
+
+    planner = Planner(get_policy("lru"), 1, has_host=False, tracking=True, adaptive=adaptive)
+    for i in range(4):  # a full tier of 4 blocks: k0 .. k3, k0 least recent
+        planner.access(f"k{i}", 0.0)
+        planner.insert(0, f"k{i}", 0.0, 1)
+    return planner
+
+
+def _waste_rank_2_and_return_victims(planner, rounds: int = 8) -> int:
+    """Rank-2 guesses displace LRU's victim, are never used, and each victim comes back soon:
+    prefetching at rank 2 has cost a hit every time. Returns the rounds admitted before the
+    first refusal (``rounds`` if none)."""
+    from cacheflow_jax._planner import REFUSED
+
+    resident = [f"k{i}" for i in range(4)]
+    for n in range(rounds):
+        guess = f"g{n}"
+        victim = planner.victim(0, guess, prefetch=True, rank=2)
+        if victim is REFUSED:
+            return n
+        assert victim == resident[0]
+        planner.remove(0, victim)
+        resident.remove(victim)
+        planner.insert(0, guess, 0.0, 1, prefetched=True, rank=2)
+        for key in resident[-2:]:  # two hits: the guess's time (rank 2) passes unused
+            planner.access(key, 0.0)
+        # The victim is demanded (a miss): it comes back, and the stale guess leaves for it.
+        planner.access(victim, 0.0)
+        assert planner.victim(0, victim) == guess
+        assert planner.remove(0, guess)  # it left unused: wasted
+        planner.insert(0, victim, 0.0, 1)
+        resident = resident[:-2] + [victim] + resident[-2:]
+    return rounds
+
+
+def test_adaptive_admission_refuses_a_rank_whose_guesses_cost_more_than_they_gave() -> None:
+    from cacheflow_jax._planner import REFUSED
+
+    planner = _planner(adaptive=True)
+    admitted = _waste_rank_2_and_return_victims(planner)
+    assert 2 <= admitted < 8  # cold, the priors admit as without the rule; then it learns
+    adm = planner.admission
+    assert adm.useful(2) < adm.victim_return() and adm.refused == 1
+    assert planner.victim(0, "late", prefetch=True, rank=2) is REFUSED
+    # One refused guess in EXPLORE is admitted anyway, so the rates go on being measured.
+    tries = [planner.victim(0, f"try{n}", prefetch=True, rank=2) for n in range(adm.EXPLORE)]
+    assert [t is REFUSED for t in tries].count(False) == 1
+    # Rank 1 has no bad record (its prior says useful): still admitted against the victim.
+    assert isinstance(planner.victim(0, "soon", prefetch=True, rank=1), str)
+    # A demand newcomer is never judged by it.
+    assert isinstance(planner.victim(0, "demand"), str)
+
+
+def test_adaptive_admission_off_admits_the_same_guesses() -> None:
+    planner = _planner(adaptive=False)
+    assert _waste_rank_2_and_return_victims(planner) == 8
+    assert planner.admission is None
+    assert isinstance(planner.victim(0, "late", prefetch=True, rank=2), str)
+
+
+def test_adaptive_admission_recovers_when_guesses_pay_off_again() -> None:
+    from cacheflow_jax._planner import REFUSED
+
+    planner = _planner(adaptive=True)
+    _waste_rank_2_and_return_victims(planner)
+    assert planner.victim(0, "late", prefetch=True, rank=2) is REFUSED
+    adm = planner.admission
+    # Rank-2 guesses now land in free room and are used; displaced victims stop coming back
+    # (the tier's next demand eviction comes first): both rates move, and rank 2 is admitted
+    # again.
+    for n in range(16):
+        adm.guess_landed()
+        adm.guess_resolved(2, True)
+        adm.victim_displaced(f"gone{n}", f"used{n}")
+        adm.room_freed(f"used{n}")  # the guess was used before its victim came back
+    assert adm.useful(2) > adm.victim_return()
+    assert isinstance(planner.victim(0, "again", prefetch=True, rank=2), str)
+
+
+def test_replay_reports_the_admission_rates(tmp_path: Path) -> None:
+    from cacheflow_jax._replay import replay
+    from cacheflow_jax._trace import read_trace
+
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(str(i % 12) for i in range(240)) + "\n")
+    stats = replay(read_trace(path), device_bytes=6, host_bytes=0,
+                   prefetcher=predictor.last_successor(), prefetch=cfj.PrefetchSettings())
+    adm = stats["prefetch"]["admission"]
+    assert adm["useful"][1] > 0.9 and adm["refused"] == 0
+    off = replay(read_trace(path), device_bytes=6, host_bytes=0,
+                 prefetcher=predictor.last_successor(),
+                 prefetch=cfj.PrefetchSettings(adaptive=False))
+    assert "admission" not in off["prefetch"]
+
+
+def test_the_score_floor_follows_the_measured_victim_return_rate() -> None:
+    from cacheflow_jax._planner import Admission
+    from cacheflow_jax._prefetch import PrefetchScheduler
+
+    class Fixed:
+        def observe(self, access) -> None:
+            pass
+
+        def predict(self, k: int) -> list[tuple[str, float]]:
+            return [("a", 0.9), ("b", 0.2), ("c", 0.02)][:k]
+
+        def reset(self) -> None:
+            pass
+
+    settings = cfj.PrefetchSettings(min_score=0.25)
+    describe, fetchable = (lambda key: (1, "other")), (lambda key: True)
+    fixed = PrefetchScheduler(Fixed(), settings, describe=describe, fetchable=fetchable)
+    assert [k for k, _ in fixed.candidates()] == ["a"]
+    adm = Admission(1, prior_return=settings.min_score)
+    sched = PrefetchScheduler(Fixed(), settings, describe=describe, fetchable=fetchable,
+                              admission=adm)
+    assert sched.floor() == 0.25 and [k for k, _ in sched.candidates()] == ["a"]  # cold: as today
+    for n in range(100):  # guesses land; the victims they displace never come back in time
+        adm.guess_landed()
+        adm.victim_displaced(f"v{n}", f"g{n}")
+        adm.room_freed(f"g{n}")
+    assert sched.floor() < 0.01 and [k for k, _ in sched.candidates()] == ["a", "b", "c"]
+    for n in range(1000):  # now every other one comes back while a guess holds its room
+        adm.guess_landed()
+        adm.victim_displaced(f"w{n}", f"h{n}")
+        if n % 2:
+            adm.accessed(f"w{n}")
+        adm.room_freed(f"h{n}")
+    assert 0.4 < sched.floor() < 0.6 and [k for k, _ in sched.candidates()] == ["a"]
+
+
+def test_a_displaced_victim_counts_while_guesses_hold_its_room() -> None:
+    from cacheflow_jax._planner import Admission
+
+    adm = Admission(1)
+    adm.victim_displaced("v", "g1")
+    adm.room_passed("g1", "g2")  # g1 went stale and left for the guess g2: v's room still held
+    adm.accessed("v")  # v is demanded: the guesses cost this hit
+    assert adm.returned == 1 and adm.watching == 0
+    adm.victim_displaced("u", "g3")
+    adm.room_freed("g3")  # g3 was used (or left for a demand newcomer): u would be out anyway
+    adm.accessed("u")
+    assert adm.returned == 1 and adm.watching == 0 and not adm.held
