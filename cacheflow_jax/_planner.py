@@ -70,19 +70,20 @@ class Admission:
     * ``victim_return()``: the hits lost per guess that landed: the policy's victims that a
       prefetch displaced and that were demanded again while the room they left was still held
       by unused guesses, per guess (most guesses displace a stale guess, which costs nothing,
-      or fill free room). That is what a guess costs: a guess that is used would have come in on its demand miss anyway, displacing a
-      victim then; one that is never used has kept the victim out for nothing for as long as
-      it, and the guesses that displace it in turn when it goes stale, hold its room. So a
-      displaced victim is watched until the guess holding its room (the last of that chain) is
-      used or leaves for a demand newcomer; accessed before, it *returned* (a hit lost).
+      or fill free room). That is what a guess costs: a guess that is used would have come in
+      on its demand miss anyway, displacing a victim then; one that is never used has kept the
+      victim out for nothing for as long as it, and the guesses that displace it in turn when
+      it goes stale, hold its room. So a displaced victim is watched until the guess holding
+      its room (the last of that chain) is used or leaves for a demand newcomer; accessed
+      before, it *returned* (a hit lost).
 
     A guess displaces a victim only when ``useful(r) >= victim_return()``, and the scheduler
     loads a guess only if its score reaches ``victim_return()``. While a rank is refused, one
     guess in `EXPLORE` is admitted anyway, so that its rate goes on being measured and a
-    stream that changes is followed. Priors: each rank starts with
-    `PRIOR` used guesses and none wasted (usefulness 1), the victims with `PRIOR` at the rate
-    ``prior_return`` (the cache passes ``min_score``), so a cold cache behaves as with the fixed
-    rule. Counts are halved past `HALF` events, so both rates follow a stream that changes.
+    stream that changes is followed. Priors: each rank starts with `PRIOR` used guesses and none
+    wasted (usefulness 1), the victims with `PRIOR` at the rate ``prior_return`` (the cache
+    passes ``min_score``), so a cold cache behaves as with the fixed rule. Counts are halved
+    past `HALF` events, so both rates follow a stream that changes.
     """
 
     PRIOR = 2.0  # pseudo-events behind the cold-start rates
