@@ -11,8 +11,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
+import numpy as np
 import pytest
 
 _S3_ENV = {
@@ -105,6 +107,21 @@ def _wait_for_port(proc: subprocess.Popen, port: int, log: IO[bytes]) -> None:
             if time.monotonic() > deadline:
                 pytest.fail(f"moto_server did not answer on 127.0.0.1:{port} within 30 s")
             time.sleep(0.1)
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    """A cacheflow store with two arrays and one runtime block (the CLI tests)."""
+    from cacheflow_jax import write_store
+
+    path = tmp_path / "store"
+    store = write_store(
+        {"emb": np.zeros((10, 8), np.float32), "layers": [{"w": np.ones((4, 4), np.int8)}]},
+        path,
+        chunk_bytes=64,
+    )
+    store.write("kv-block-1", np.ones(3, np.float32)).result()
+    return path
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cacheflow_jax._store import write_store
 from cacheflow_jax.cli import main, parse_size
 
 SMALL_DEMO = [
@@ -29,19 +27,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
-
-
-@pytest.fixture
-def store_dir(tmp_path: Path) -> Path:
-    """A cacheflow store with two arrays and one runtime block."""
-    path = tmp_path / "store"
-    store = write_store(
-        {"emb": np.zeros((10, 8), np.float32), "layers": [{"w": np.ones((4, 4), np.int8)}]},
-        path,
-        chunk_bytes=64,
-    )
-    store.write("kv-block-1", np.ones(3, np.float32)).result()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import predictor
-from cacheflow_jax._store import write_store
 from cacheflow_jax.cli import format_stats, main
 from training import main as train_main
 from training import train
@@ -27,18 +26,6 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
-
-
-@pytest.fixture
-def store_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "store"
-    store = write_store(
-        {"emb": np.zeros((10, 8), np.float32), "layers": [{"w": np.ones((4, 4), np.int8)}]},
-        path,
-        chunk_bytes=64,
-    )
-    store.write("kv-block-1", np.ones(3, np.float32)).result()
-    return path
 
 
 @pytest.fixture
