@@ -76,6 +76,17 @@ def test_replay_malformed_line_names_file_and_line(tmp_path, capsys):
     assert "bad.jsonl:2:" in capsys.readouterr().err
 
 
+def test_bench_runs_every_benchmark_in_bench() -> None:
+    # `cacheflow bench NAME` knows every module of bench/ (prefetchers was missing once).
+    from pathlib import Path
+
+    from cacheflow_jax.cli import BENCHMARKS
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    modules = {p.stem for p in bench.glob("*.py") if not p.stem.startswith("_")}
+    assert modules == set(BENCHMARKS)
+
+
 def test_bench_lists_and_rejects(capsys):
     assert main(["bench", "--help"]) == 0
     assert "metadata_memory" in capsys.readouterr().out
