@@ -308,18 +308,8 @@ class TensorStoreStore:
             )
         block_grid = tuple(-(-s // b) for s, b in zip(arr.shape, block, strict=True))
         for idx in np.ndindex(*block_grid):
-            origin = tuple(i * b for i, b in zip(idx, block, strict=True))
-            shape = tuple(min(b, s - o) for b, s, o in zip(block, arr.shape, origin, strict=True))
-            key = block_key(path, idx)
-            info = BlockInfo(
-                key=key,
-                shape=shape,
-                dtype=arr.dtype,
-                nbytes=int(np.prod(shape, dtype=np.int64)) * arr.dtype.itemsize,
-                array=path,
-                index=tuple(int(i) for i in idx),
-                origin=origin,
-            )
+            info = _block_info(path, arr, block, idx)
+            key, origin, shape = info.key, info.origin, info.shape
             cidx = tuple(o // c for o, c in zip(origin, stored, strict=True))
             chunk = chunks[cidx]
             index = tuple(slice(o, o + s) for o, s in zip(origin, shape, strict=True))
@@ -345,25 +335,15 @@ class TensorStoreStore:
         fast: _FastArray | None,
     ) -> _Entry:
         """The entry of one whole stored chunk (clipped at the array's edge)."""
-        origin = tuple(i * c for i, c in zip(idx, chunk_shape, strict=True))
-        shape = tuple(min(c, s - o) for c, s, o in zip(chunk_shape, arr.shape, origin, strict=True))
-        info = BlockInfo(
-            key=block_key(path, idx),
-            shape=shape,
-            dtype=arr.dtype,
-            nbytes=int(np.prod(shape, dtype=np.int64)) * arr.dtype.itemsize,
-            array=path,
-            index=tuple(int(i) for i in idx),
-            origin=origin,
-        )
-        index = tuple(slice(o, o + s) for o, s in zip(origin, shape, strict=True))
+        info = _block_info(path, arr, chunk_shape, idx)
+        index = tuple(slice(o, o + s) for o, s in zip(info.origin, info.shape, strict=True))
         entry = _Entry(info, handle, index, chunk_where(info.index))
         entry.chunk_shape = chunk_shape
         if fast is not None and info.nbytes > 0:
             entry.fast = fast
             entry.fast_key = os.path.join(self._root, path, fast.name(info.index))
-            if shape != fast.chunk_shape:
-                entry.clip = tuple(slice(0, n) for n in shape)
+            if info.shape != fast.chunk_shape:
+                entry.clip = tuple(slice(0, n) for n in info.shape)
         return entry
 
     # ---- Store protocol
@@ -1550,3 +1530,20 @@ def fit_blocks(store: Any, device_bytes: Any, block_bytes: int | None) -> Any:
     if largest <= block_bytes and store.block_bytes is None:
         return store
     return store.with_block_bytes(block_bytes)
+
+
+def _block_info(
+    path: str, arr: ArrayInfo, block: tuple[int, ...], idx: tuple[int, ...]
+) -> BlockInfo:
+    """The block at grid index ``idx`` of ``arr`` cut in ``block``s (clipped at the edge)."""
+    origin = tuple(i * b for i, b in zip(idx, block, strict=True))
+    shape = tuple(min(b, s - o) for b, s, o in zip(block, arr.shape, origin, strict=True))
+    return BlockInfo(
+        key=block_key(path, idx),
+        shape=shape,
+        dtype=arr.dtype,
+        nbytes=int(np.prod(shape, dtype=np.int64)) * arr.dtype.itemsize,
+        array=path,
+        index=tuple(int(i) for i in idx),
+        origin=origin,
+    )
