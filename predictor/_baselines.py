@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from predictor._protocol import Access, as_access
 
 DEFAULT_MAX_KEYS = 1 << 18
 
+_COUNT = operator.itemgetter(1)
 _INDEX = re.compile(r"^(.*?)(\d+(?:,\d+)*)$")
 
 
@@ -137,7 +139,7 @@ class Markov:
         if not row or k < 1:
             return []
         total = sum(row.values())
-        best = sorted(row.items(), key=lambda kv: -kv[1])[:k]
+        best = sorted(row.items(), key=_COUNT, reverse=True)[:k]  # ties: insertion order
         return [(s, c / total) for s, c in best]
 
     def predict(self, k: int) -> list[tuple[str, float]]:

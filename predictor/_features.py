@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -74,7 +75,18 @@ FEATURES = (
 )
 NUM_FEATURES = len(FEATURES)
 _F = {name: i for i, name in enumerate(FEATURES)}
-_MARKOV_RANK, _SOURCES = _F["markov_rank"], _F["sources"]
+# Columns, named once: `features_into` runs on the prefetch worker for every prediction.
+_SEEN, _RECENCY_ACCESSES, _RECENCY_TIME = _F["seen"], _F["recency_accesses"], _F["recency_time"]
+_FREQUENCY, _IS_CURRENT, _CHAIN = _F["frequency"], _F["is_current"], _F["successor_chain"]
+_MARKOV_P, _MARKOV_RANK, _COACCESS = _F["markov_p"], _F["markov_rank"], _F["coaccess_p"]
+_STRIDE, _FRONTIER, _RECENT = _F["stride_step"], _F["frontier_step"], _F["recent_rank"]
+_PREV_MARKOV, _PREV_COACCESS = _F["prev_markov_p"], _F["prev_coaccess_p"]
+_PREV_SUCCESSOR, _BURST_START = _F["prev_successor"], _F["burst_start"]
+_SAME_KIND, _SAME_PREFIX, _INDEX_DELTA = _F["same_kind"], _F["same_prefix"], _F["index_delta"]
+_INDEX_DELTA_IS_1, _SIZE_RATIO, _SOURCES = _F["index_delta_is_1"], _F["size_ratio"], _F["sources"]
+_CTX = _F["ctx_gap"]  # the context columns, the same for every candidate, run to the end
+_SOURCE_WEIGHT = 1.0 / 6.0  # a source's share of the ``sources`` column
+_COUNT = itemgetter(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,23 +251,25 @@ class FeatureState:
         Returns:
           The candidate keys, at most ``max_candidates``, in source priority order.
         """
-        if not self.hist:
+        hist = self.hist
+        if not hist:
             return []
         cfg = self.config
-        c = self.hist[-1]
+        c = hist[-1]
         cands: dict[str, list[float]] = {}
-        nf = NUM_FEATURES
+        blank = [0.0] * NUM_FEATURES
 
         def add(key: str, col: int, value: float) -> None:
             row = cands.get(key)
             if row is None:
-                row = cands[key] = [0.0] * nf
+                row = cands[key] = blank.copy()
             if value > row[col]:
                 if not row[col] and col != _MARKOV_RANK:
-                    row[_SOURCES] += 1.0 / 6.0  # how many sources proposed it
+                    row[_SOURCES] += _SOURCE_WEIGHT  # how many sources proposed it
                 row[col] = value
 
         succ = self.successor.successor
+        markov = self.markov
         # last-successor chain from the current key
         x, seen_chain = c, {c}
         for d in range(1, cfg.chain_depth + 1):
@@ -264,46 +278,50 @@ class FeatureState:
                 break
             if x in seen_chain:
                 if d == 1:  # a repeated key: its last successor is itself, still proposed
-                    add(x, _F["successor_chain"], 1.0)
+                    add(x, _CHAIN, 1.0)
                 break
             seen_chain.add(x)
-            add(x, _F["successor_chain"], 1.0 / d)
-        for r, (x, p) in enumerate(self.markov.successors(c, cfg.markov_top), 1):
-            add(x, _F["markov_p"], p)
-            add(x, _F["markov_rank"], 1.0 / r)
+            add(x, _CHAIN, 1.0 / d)
+        for r, (x, p) in enumerate(markov.successors(c, cfg.markov_top), 1):
+            add(x, _MARKOV_P, p)
+            add(x, _MARKOV_RANK, 1.0 / r)
         for x, j in self.stride.continuations(cfg.stride_steps):
-            add(x, _F["stride_step"], 1.0 / j)
-        occ_c = self.occ.get(c, 1)
-        for x, cnt in _top(self.coaccess.get(c), cfg.coaccess_top):
-            add(x, _F["coaccess_p"], min(cnt / occ_c, 1.0))
+            add(x, _STRIDE, 1.0 / j)
+        occ = self.occ
+        coaccess = self.coaccess
+        occ_c = occ.get(c, 1)
+        for x, cnt in _top(coaccess.get(c), cfg.coaccess_top):
+            add(x, _COACCESS, min(cnt / occ_c, 1.0))
         split_c = split_index(c)
         if split_c is not None and len(split_c[1]) == 1:
             top = self.frontier.get(split_c[0], -1)
             for j in range(1, cfg.frontier_steps + 1):
-                add(f"{split_c[0]}{top + j}", _F["frontier_step"], 1.0 / j)
+                add(f"{split_c[0]}{top + j}", _FRONTIER, 1.0 / j)
         r = 0
-        for x in reversed(self.hist):
-            if x == c or (x in cands and cands[x][_F["recent_rank"]] > 0):
+        for x in reversed(hist):
+            if x == c:
+                continue
+            row = cands.get(x)
+            if row is not None and row[_RECENT] > 0:
                 continue
             r += 1
-            add(x, _F["recent_rank"], 1.0 / r)
+            add(x, _RECENT, 1.0 / r)
             if r >= cfg.recent:
                 break
-        hist = self.hist
         for h in range(2, min(cfg.history, len(hist)) + 1):
             p_key = hist[-h]
             x = succ.get(p_key)
             if x is not None:
-                add(x, _F["prev_successor"], 1.0)
-            for x, p in self.markov.successors(p_key, 2):
-                add(x, _F["prev_markov_p"], p)
-            occ_p = self.occ.get(p_key, 1)
-            for x, cnt in _top(self.coaccess.get(p_key), 2):
-                add(x, _F["prev_coaccess_p"], min(cnt / occ_p, 1.0))
+                add(x, _PREV_SUCCESSOR, 1.0)
+            for x, p in markov.successors(p_key, 2):
+                add(x, _PREV_MARKOV, p)
+            occ_p = occ.get(p_key, 1)
+            for x, cnt in _top(coaccess.get(p_key), 2):
+                add(x, _PREV_COACCESS, min(cnt / occ_p, 1.0))
         if self.starts:
             best = max(self.starts.values())
             for x, cnt in _top(self.starts, 4):
-                add(x, _F["burst_start"], cnt / best)
+                add(x, _BURST_START, cnt / best)
 
         # features of every candidate
         n1 = self.n - 1
@@ -314,47 +332,50 @@ class FeatureState:
         ctx = (
             math.log1p(self.gap / ema) / 5.0,
             float(self.new_key),
-            math.log1p(self.occ.get(c, 0)) / 5.0,
+            math.log1p(occ.get(c, 0)) / 5.0,
             float(self.on_stride),
             float(self.on_successor),
             self.key_age,
-            math.log1p(len(self.markov.rows.get(c, ()))) / 3.0,
+            math.log1p(len(markov.rows.get(c, ()))) / 3.0,
         )
-        i0 = _F["ctx_gap"]
-        keys, rows = [], []
+        prefix_c = split_c[0] if split_c is not None else None
+        index_c = split_c[1][0] if split_c is not None and len(split_c[1]) == 1 else None
+        log1p, log2 = math.log1p, math.log2
+        keys = []
+        flat: list[float] = []
         for x, row in itertools.islice(cands.items(), cfg.max_candidates):
             keys.append(x)
-            rows.append(row)
             pos = last_pos.get(x)
             if pos is not None:
-                row[0] = 1.0
-                row[1] = math.log1p(n1 - pos) / 12.0
-                row[2] = math.log1p(max(t - last_t[x], 0.0) / ema) / 12.0
+                row[_SEEN] = 1.0
+                row[_RECENCY_ACCESSES] = log1p(n1 - pos) / 12.0
+                row[_RECENCY_TIME] = log1p(max(t - last_t[x], 0.0) / ema) / 12.0
                 fv, fp = freq[x]
-                row[3] = math.log1p(fv * 2.0 ** (-(n1 - fp) / hl)) / 5.0
+                row[_FREQUENCY] = log1p(fv * 2.0 ** (-(n1 - fp) / hl)) / 5.0
                 kind, nb = info[x]
-                row[16] = float(kind == kind_c)
-                row[20] = max(-8.0, min(8.0, math.log2(nb / nbytes_c))) / 8.0
+                row[_SAME_KIND] = float(kind == kind_c)
+                row[_SIZE_RATIO] = max(-8.0, min(8.0, log2(nb / nbytes_c))) / 8.0
             else:
-                row[1] = row[2] = 1.0
-                row[16] = 1.0
-            row[4] = float(x == c)
-            sx = split_index(x) if split_c is not None else None
-            if sx is not None and sx[0] == split_c[0]:
-                row[17] = 1.0
-                if len(sx[1]) == 1 and len(split_c[1]) == 1:
-                    d = sx[1][0] - split_c[1][0]
-                    row[18] = math.copysign(math.log1p(abs(d)), d) / 10.0
-                    row[19] = float(d == 1)
-            row[i0:] = ctx
-        if rows:
-            out[: len(rows)] = rows
+                row[_RECENCY_ACCESSES] = row[_RECENCY_TIME] = 1.0
+                row[_SAME_KIND] = 1.0
+            row[_IS_CURRENT] = float(x == c)
+            if prefix_c is not None:
+                sx = split_index(x)
+                if sx is not None and sx[0] == prefix_c:
+                    row[_SAME_PREFIX] = 1.0
+                    if index_c is not None and len(sx[1]) == 1:
+                        d = sx[1][0] - index_c
+                        row[_INDEX_DELTA] = math.copysign(log1p(abs(d)), d) / 10.0
+                        row[_INDEX_DELTA_IS_1] = float(d == 1)
+            row[_CTX:] = ctx
+            flat += row
+        if flat:
+            out.reshape(-1)[: len(flat)] = flat
         return keys
 
 
 def _top(row: dict[str, float] | None, k: int) -> list[tuple[str, float]]:
     if not row:
         return []
-    if len(row) <= k:
-        return sorted(row.items(), key=lambda kv: -kv[1])
-    return sorted(row.items(), key=lambda kv: -kv[1])[:k]
+    # ``reverse`` keeps ties in insertion order, as the stable ascending sort of ``-count`` would.
+    return sorted(row.items(), key=_COUNT, reverse=True)[:k]
