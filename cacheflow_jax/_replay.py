@@ -79,8 +79,7 @@ class TraceStore:
 
     def sizes_of(self, keys: Sequence[str]) -> list[int]:
         """The size of each of ``keys``, in order (they are the trace's keys)."""
-        sizes = self._sizes
-        return [sizes[key] for key in keys]
+        return list(map(self._sizes.__getitem__, keys))
 
     def arrays(self) -> Mapping[str, ArrayInfo]:
         return {}
