@@ -521,62 +521,89 @@ class TieredCache:
           key: the block accessed.
           now: the access time (replay passes the trace's); by default the cache's clock.
         """
-        if now is None:
-            now = self._clock()
-        if self._pf_replay is not None:
-            self._pf_replay.before(key, now)
-        info = self._runtime.get(key) if self._runtime else None
-        nbytes = (info or self._store_info(key)).nbytes
-        # `_account`, inlined: this is replay's per-access path.
-        n = self._n
-        n["bytes"] += nbytes
-        planner, plan_access = self._planner, self._plan_access
-        if key in self._l1:
-            n["device"] += 1
-            if plan_access(key, now):
-                self._pf_count_use(nbytes, late=False)
-            if self._has_ttl and now >= self._next_expire:
-                self._expire(now)
-        else:
-            host = self._host
-            if host is not None and key in host.entries:
-                n["host"] += 1
-                if plan_access(key, now):
-                    self._pf_count_use(nbytes, late=False)
-                if self._has_ttl and now >= self._next_expire:
-                    self._expire(now)
-                planner.remove(HOST, key)
-                del host.entries[key]
-                host.used -= nbytes
-                n["host_bytes"] += nbytes
-            else:
-                n["miss"] += 1
-                n["miss_bytes"] += nbytes
-                plan_access(key, now)
-                if self._has_ttl and now >= self._next_expire:
-                    self._expire(now)
-            self._install_sync(key, nbytes, now, prefetched=False)
-        if self._pf_replay is not None:
-            self._pf_replay.after(key, now)
+        self.access_many_sync((key,), (self._clock() if now is None else now,))
+
+    def access_many_sync(
+        self, keys: Sequence[str], times: Sequence[float], sizes: Sequence[int] | None = None
+    ) -> None:
+        """`access_sync` for each of ``keys`` in turn, at its time in ``times``: replay's loop.
+
+        Args:
+          keys: the blocks accessed, in order.
+          times: each access's time.
+          sizes: each block's size in bytes (replay knows them from its trace); None: looked up
+            in the store before the first access.
+
+        Raises:
+          KeyError: a key is neither in the store nor among runtime blocks (nothing was counted).
+        """
+        if sizes is None:
+            sizes = [self.info(key).nbytes for key in keys]
+        prefetch = self._pf_replay
+        plan_access, planner, install = self._plan_access, self._planner, self._install_sync
+        l1, host = self._l1, self._host
+        has_ttl = self._has_ttl
+        # The counters, kept in locals over the loop (the hits of each tier, the misses, and
+        # their bytes) and added to the cache's at the end.
+        device = in_host = miss = total = host_bytes = miss_bytes = 0
+        try:
+            for key, now, nbytes in zip(keys, times, sizes):
+                if prefetch is not None:
+                    prefetch.before(key, now)
+                total += nbytes
+                if key in l1:
+                    device += 1
+                    if plan_access(key, now):
+                        self._pf_count_use(nbytes, late=False)
+                    if has_ttl and now >= self._next_expire:
+                        self._expire(now)
+                else:
+                    if host is not None and key in host.entries:
+                        in_host += 1
+                        host_bytes += nbytes
+                        if plan_access(key, now):
+                            self._pf_count_use(nbytes, late=False)
+                        if has_ttl and now >= self._next_expire:
+                            self._expire(now)
+                        planner.remove(HOST, key)
+                        host.pop(key)
+                        host.used -= nbytes
+                    else:
+                        miss += 1
+                        miss_bytes += nbytes
+                        plan_access(key, now)
+                        if has_ttl and now >= self._next_expire:
+                            self._expire(now)
+                    install(key, nbytes, now)
+                if prefetch is not None:
+                    prefetch.after(key, now)
+        finally:
+            n = self._n
+            n["device"] += device
+            n["host"] += in_host
+            n["miss"] += miss
+            n["bytes"] += total
+            n["host_bytes"] += host_bytes
+            n["miss_bytes"] += miss_bytes
 
     def _install_sync(
-        self, key: str, nbytes: int, now: float, *, prefetched: bool, rank: int = 1
+        self, key: str, nbytes: int, now: float, prefetched: bool = False, rank: int = 1
     ) -> bool:
         """Replay: puts ``key`` in L1, else L2, as the planner admits; True if it went in."""
         l1, host, planner = self._tiers[DEVICE], self._host, self._planner
         if l1.used + nbytes <= l1.budget or self._room_sync(
-            DEVICE, nbytes, key, now, prefetch=prefetched, rank=rank
+            DEVICE, nbytes, key, now, prefetched, rank
         ):
             l1.used += nbytes
-            self._l1[key] = PRESENT
+            l1.put_reserved(key, PRESENT, nbytes)
             planner.insert(DEVICE, key, now, nbytes, prefetched=prefetched, rank=rank)
             return True
         if host is not None and (
             host.used + nbytes <= host.budget
-            or self._room_sync(HOST, nbytes, key, now, prefetch=prefetched, rank=rank)
+            or self._room_sync(HOST, nbytes, key, now, prefetched, rank)
         ):
             host.used += nbytes
-            host.entries[key] = PRESENT
+            host.put_reserved(key, PRESENT, nbytes)
             planner.insert(HOST, key, now, nbytes, prefetched=prefetched, rank=rank)
             return True
         return False
@@ -587,7 +614,6 @@ class TieredCache:
         nbytes: int,
         key: str,
         now: float,
-        *,
         prefetch: bool = False,
         rank: int = 1,
     ) -> bool:
@@ -600,7 +626,7 @@ class TieredCache:
         if nbytes > tier.budget:
             return False
         planner = self._planner
-        entries, runtime, store_info = tier.entries, self._runtime, self._store_info
+        entries, sizes = tier.entries, tier.sizes
         host = self._host if tier_index == DEVICE else None  # victims of L1 go down to L2
         while tier.used + nbytes > tier.budget:
             victim = planner.victim(tier_index, key, prefetch=prefetch, rank=rank)
@@ -608,14 +634,15 @@ class TieredCache:
                 return False
             was_unused = planner.remove(tier_index, victim)
             del entries[victim]
-            size = ((runtime.get(victim) if runtime else None) or store_info(victim)).nbytes
+            # Replay puts each block with its size (`_install_sync`); the store knows the rest.
+            size = sizes.pop(victim, None) or self.info(victim).nbytes
             if was_unused:
                 self._pf_count("wasted", size)
             elif host is not None and (
                 host.used + size <= host.budget or self._room_sync(HOST, size, victim, now)
             ):
                 host.used += size
-                host.entries[victim] = PRESENT
+                host.put_reserved(victim, PRESENT, size)
                 planner.insert(HOST, victim, now, size)
             tier.used -= size
         return True

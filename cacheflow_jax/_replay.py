@@ -77,6 +77,10 @@ class TraceStore:
         # ``info`` is the dict's own lookup: replay asks for a size on every access.
         self.info = _Infos(self.spec, self._sizes).__getitem__
 
+    def sizes_of(self, keys: Sequence[str]) -> list[int]:
+        """The size of each of ``keys``, in order (they are the trace's keys)."""
+        return list(map(self._sizes.__getitem__, keys))
+
     def arrays(self) -> Mapping[str, ArrayInfo]:
         return {}
 
@@ -173,8 +177,9 @@ def replay(
     )
     if not 0 <= warmup <= len(trace.keys):
         raise ValueError(f"warmup={warmup} must be between 0 and the trace's {len(trace.keys)} accesses")
-    get = cache.access_sync
+    access = cache.access_many_sync
     keys = trace.keys
+    sizes = store.sizes_of(keys)
     # No timestamps: time stands still at 0, so idle time (and TTL expiry) never accrues.
     times = trace.t.tolist() if trace.timed else [0.0] * len(keys)
     bar = None
@@ -193,8 +198,7 @@ def replay(
         hi = min(lo + step, len(keys))
         if lo < warmup < hi:
             hi = warmup  # the counters start exactly at the end of the warm-up
-        for key, now in zip(keys[lo:hi], times[lo:hi]):
-            get(key, now)
+        access(keys[lo:hi], times[lo:hi], sizes[lo:hi])
         if hi == warmup:
             cache.reset_counters()
             cache.pause_prefetch(False)

@@ -215,16 +215,18 @@ def lfu(
             if key == state.drop:
                 state.drop = None  # the tier below had room after all
             return
-        ghost = state.ghosts.pop(key, None)  # usually taken out by its access already
-        if ghost is not None:
-            state.ghost_bytes -= ghost[0]
-        if key not in state.score:  # inserted without an access (a prefetch): a fresh count
-            state.score[key] = state.tick * state.rate
-            state.before[key] = _NEVER
-            if timed:
-                state.last[key] = now
-        elif key not in state.before:
-            state.before[key] = _NEVER
+        before = state.before
+        # A key that missed has its ghost taken out and its score and ``before`` set by that
+        # access; one inserted without an access (a prefetch) gets them here.
+        if key not in before:
+            ghost = state.ghosts.pop(key, None)
+            if ghost is not None:
+                state.ghost_bytes -= ghost[0]
+            if key not in state.score:  # a fresh count
+                state.score[key] = state.tick * state.rate
+                if timed:
+                    state.last[key] = now
+            before[key] = _NEVER
         state.window[key] = nbytes
         state.window_bytes += nbytes
         resident = state.resident = state.resident + nbytes
@@ -232,9 +234,10 @@ def lfu(
         referee = state.referee
         if key not in referee:
             referee[key] = nbytes
-            state.referee_bytes += nbytes
-            while state.referee_bytes > resident and referee:
-                state.referee_bytes -= referee.popitem(last=False)[1]
+            shadow = state.referee_bytes + nbytes
+            while shadow > resident and referee:
+                shadow -= referee.popitem(last=False)[1]
+            state.referee_bytes = shadow
         if not state.full:  # the cache had room: the window's overflow joins probation, no duel
             limit = state.share * resident
             while state.window_bytes > limit and len(state.window) > 1:
@@ -370,9 +373,9 @@ def _forget(state: LfuState, key: Key) -> None:
     nbytes = state.window.pop(key, None)
     if nbytes is not None:
         state.window_bytes -= nbytes
-        state.window_out += nbytes
+        out = state.window_out = state.window_out + nbytes
         state.before.pop(key, None)
-        ghost = (nbytes, True, state.window_out)
+        ghost = (nbytes, True, out)
     else:
         nbytes = state.probation.pop(key, None)
         if nbytes is not None:
@@ -382,16 +385,16 @@ def _forget(state: LfuState, key: Key) -> None:
             if nbytes is None:
                 return
             state.protected_bytes -= nbytes
-        state.main_out += nbytes
-        ghost = (nbytes, False, state.main_out)
-    state.resident -= nbytes
-    state.count -= 1
+        out = state.main_out = state.main_out + nbytes
+        ghost = (nbytes, False, out)
+    resident = state.resident = state.resident - nbytes
+    count = state.count = state.count - 1
     if state.tier_of is not None:
         state.tier_of.pop(key, None)
     ghosts = state.ghosts
     ghosts[key] = ghost
-    state.ghost_bytes += nbytes
-    if len(ghosts) > HISTORY * state.count or state.ghost_bytes > HISTORY * state.resident:
+    ghost_bytes = state.ghost_bytes = state.ghost_bytes + nbytes
+    if len(ghosts) > HISTORY * count or ghost_bytes > HISTORY * resident:
         _trim_ghosts(state)
 
 
