@@ -968,8 +968,9 @@ class TieredCache:
         planner, popleft = self._planner, reads.popleft
         size_of = self._tiers[DEVICE].sizes.get
         nbytes = 0
-        if planner.unused_blocks:
-            # Some prefetched blocks wait for their first use: the planner checks each hit.
+        if planner.unused_blocks or planner.foreseen_blocks():
+            # Some prefetched blocks wait for their first use, or were foreseen (they leave
+            # first unless hit again): the planner checks each hit.
             access = planner.access
             for _ in range(count):
                 key = popleft()

@@ -192,6 +192,95 @@ class Admission:
         }
 
 
+class Foresight:
+    """Foreseen blocks leave first, while that costs fewer misses than the policy's victims.
+
+    A block whose latest access was the first use of a prefetched copy was *foreseen*: the
+    predictor brought it in before it was asked for, so it may well do so again, and keeping it
+    would spend room on a block that need not be resident. Such a block leaves its tier before
+    the policy's victim (after stale guesses), as long as that has paid: of the blocks that left
+    a tier, both kinds are watched (a FIFO of the last `WATCH` of each), and each that comes back
+    *uncovered* (on a demand access, not as a prefetch used) counts against its kind. Foreseen
+    blocks go first while their uncovered return rate is at most the policy victims'. A foreseen
+    block accessed again while resident is an ordinary resident again (the stream wanted it
+    without a guess). This is the idea of integrated prefetching and caching (Cao et al.,
+    SIGMETRICS'95): evicting what can be prefetched back in time costs nothing.
+
+    Priors: each kind starts with `PRIOR` evictions and no returns, so foreseen blocks go
+    first until the evidence says otherwise; counts are halved past `HALF` evictions.
+    """
+
+    PRIOR = 2.0  # pseudo-evictions behind each kind's cold-start rate
+    HALF = 512.0  # counts are halved past this many evictions of a kind
+    WATCH = 4096  # blocks that left watched per kind (the oldest are dropped first)
+
+    __slots__ = ("blocks", "gone", "left", "returned", "first")
+
+    def __init__(self, num_tiers: int) -> None:
+        # Per tier, the foreseen residents, oldest first.
+        self.blocks: list[dict[str, None]] = [{} for _ in range(num_tiers)]
+        # Blocks that left a tier: key -> foreseen when it left (kind 1) or not (kind 0).
+        self.gone: list[dict[str, None]] = [{}, {}]
+        self.left = [0.0, 0.0]  # evictions per kind (decayed)
+        self.returned = [0.0, 0.0]  # uncovered returns per kind (decayed)
+        self.first = True  # whether foreseen blocks go first now
+
+    def rate(self, kind: int) -> float:
+        """Uncovered returns per eviction of ``kind`` (1: foreseen, 0: the policy's victims)."""
+        return self.returned[kind] / (self.left[kind] + self.PRIOR)
+
+    def accessed(self, key: str, tier: int | None) -> None:
+        """``key`` is accessed: as a prefetch used in ``tier`` (covered), or on demand (None)."""
+        covered = tier is not None
+        for kind in (0, 1):
+            gone = self.gone[kind]
+            if gone and gone.pop(key, 0) is None:
+                if not covered:
+                    self.returned[kind] += 1.0
+                    self.first = self.rate(1) <= self.rate(0)
+                break
+        if covered:
+            self.blocks[tier][key] = None
+        else:
+            for blocks in self.blocks:
+                if blocks:
+                    blocks.pop(key, None)
+
+    def left_tier(self, tier: int, key: str) -> None:
+        """``key`` left ``tier`` (evicted, or moving to another tier: `back` undoes that)."""
+        blocks = self.blocks[tier]
+        kind = 1 if blocks and blocks.pop(key, 0) is None else 0
+        other = self.gone[1 - kind]
+        if other:
+            other.pop(key, None)
+        gone = self.gone[kind]
+        gone[key] = None
+        if len(gone) > self.WATCH:
+            del gone[next(iter(gone))]
+        left = self.left[kind] + 1.0
+        if left > self.HALF:
+            left /= 2
+            self.returned[kind] /= 2
+        self.left[kind] = left
+        self.first = self.rate(1) <= self.rate(0)
+
+    def back(self, key: str) -> None:
+        """``key`` is resident again before any access (a move between tiers, or a prefetch)."""
+        for kind in (0, 1):
+            gone = self.gone[kind]
+            if gone and gone.pop(key, 0) is None:
+                self.left[kind] = max(self.left[kind] - 1.0, 0.0)
+                return
+
+    def describe(self) -> dict:
+        """The two kinds' uncovered return rates, and whether foreseen blocks go first."""
+        return {
+            "foreseen_return": round(self.rate(1), 4),
+            "victim_return": round(self.rate(0), 4),
+            "foreseen_first": self.first,
+        }
+
+
 class Planner:
     """Decides victims, admission and destinations over one policy's state (see the module doc).
 
@@ -211,7 +300,7 @@ class Planner:
 
     __slots__ = (
         "policy", "state", "admit", "has_host", "tracking", "count", "unused", "unused_blocks",
-        "ranking", "admission",
+        "ranking", "admission", "foresight",
         "_access", "_victim", "_insert", "_remove",
     )  # fmt: skip
 
@@ -239,6 +328,7 @@ class Planner:
         self.admission = (
             Admission(num_tiers, prior_return=prior_return) if tracking and adaptive else None
         )
+        self.foresight = Foresight(num_tiers) if tracking and adaptive else None
         self._access = policy.access
         self._victim = policy.victim
         self._insert = policy.insert
@@ -253,16 +343,25 @@ class Planner:
         admission = self.admission
         if admission is not None and admission.watching:
             admission.accessed(key)
+        used = None  # the tier of a prefetched block used now
         if self.unused_blocks:  # the usual case on a hit: no guess waits to be used
-            for unused in self.unused:
+            for tier, unused in enumerate(self.unused):
                 if key in unused:
                     rank = unused.pop(key)[1]
                     self.unused_blocks -= 1
                     if admission is not None:
                         admission.guess_resolved(rank, True)
                         admission.room_freed(key)
-                    return True
-        return False
+                    used = tier
+                    break
+        if self.foresight is not None:
+            self.foresight.accessed(key, used)
+        return used is not None
+
+    def foreseen_blocks(self) -> bool:
+        """Whether any resident is a foreseen block (`Foresight`): then every hit matters."""
+        foresight = self.foresight
+        return foresight is not None and any(foresight.blocks)
 
     def victim(
         self, tier: int, newcomer: str | None, *, prefetch: bool = False, rank: int = 1
@@ -286,6 +385,11 @@ class Planner:
                     else:
                         admission.room_freed(key)
                 return key  # stale: it was not used when it was expected to be
+        foresight = self.foresight
+        if foresight is not None and foresight.first:
+            foreseen = foresight.blocks[tier]
+            if foreseen:
+                return next(iter(foreseen))  # the predictor brought it in; it can again
         victim = self._victim(self.state, tier)
         if victim is None:
             return None
@@ -305,6 +409,8 @@ class Planner:
     def remove(self, tier: int, key: str) -> bool:
         """Forgets ``key`` in ``tier``; returns True if it was an unused prefetch (wasted)."""
         self._remove(self.state, tier, key)
+        if self.foresight is not None:
+            self.foresight.left_tier(tier, key)
         if self.unused_blocks:
             guess = self.unused[tier].pop(key, None)
             if guess is not None:
@@ -331,6 +437,8 @@ class Planner:
         place in the predictor's proposals); if it is not, it is stale.
         """
         self._insert(self.state, tier, key, now, nbytes)
+        if self.foresight is not None:
+            self.foresight.back(key)
         if prefetched and self.tracking:
             unused = self.unused[tier]
             if key not in unused:
