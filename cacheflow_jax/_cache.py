@@ -1578,6 +1578,9 @@ class TieredCache:
             policy = self._planner.describe()
             adm = self._planner.admission
             admission = adm.describe() if adm is not None else None
+            foresight = self._planner.foresight
+            if admission is not None and foresight is not None:
+                admission["foresight"] = foresight.describe()
         if _tensorstore_store(self.store):
             l3.update(self.store.read_stats())  # bytes read vs served (read amplification)
         requests = n["device"] + n["host"] + n["miss"]

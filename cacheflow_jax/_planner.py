@@ -15,12 +15,14 @@ The decisions:
   1. a stale prefetched block: a guess not used by the time it was expected to be (its rank, in
      accesses, after it landed), oldest first. A guess that has not paid off leaves before
      anything the stream asked for; a guess whose time has not come is an ordinary resident;
-  2. else the policy's victim, if the policy admits the newcomer against it (`Policy.admit`);
-  3. for a prefetch, only if the victim is not worth more than the guess. The policy judges the
+  2. with ``adaptive``, a foreseen block (`Foresight`): one whose latest access was a prefetch
+     used, while such blocks come back uncovered no more often than the policy's victims;
+  3. else the policy's victim, if the policy admits the newcomer against it (`Policy.admit`);
+  4. for a prefetch, only if the victim is not worth more than the guess. The policy judges the
      long run, and it chose this block as the least worth keeping; the predictor judges the next
      few accesses, and if it ranks the victim itself above the guess (it expects the victim back
      sooner), the victim stays and the guess is refused;
-  4. for a prefetch, with ``adaptive`` on, only if guesses of its rank have been worth more
+  5. for a prefetch, with ``adaptive`` on, only if guesses of its rank have been worth more
      than the victims they displace (`Admission`): the share of rank-``r`` guesses used before
      they left, against the hits lost per guess (displaced victims demanded again while the
      room they left was still held by unused guesses). Both are measured online, with priors
@@ -63,7 +65,7 @@ REFUSED: Any = _Refused()  # `Planner.victim`: the newcomer may not displace the
 class Admission:
     """Adaptive prefetch admission: is a guess of rank ``r`` worth the victim it displaces?
 
-    Two rates, measured online (the module doc, rule 4):
+    Two rates, measured online (the module doc, rule 5):
 
     * ``useful(r)``: of the guesses of rank ``r`` that landed and were resolved, the share used
       before they left (used against wasted);
@@ -291,7 +293,7 @@ class Planner:
       tracking: keep the prefetch bookkeeping (access count, unused prefetched blocks, the
         predictor's ranking); off, it costs nothing per access.
       adaptive: with ``tracking``, judge guesses against their victims by measured rates
-        (`Admission`, rule 4 of the module doc).
+        (`Admission`, rule 5 of the module doc).
       prior_return: `Admission`'s cold-start victim return rate (the cache passes
         ``PrefetchSettings.min_score``, so a cold scheduler keeps today's score floor).
 

@@ -493,6 +493,7 @@ def test_replay_reports_the_admission_rates(tmp_path: Path) -> None:
                    prefetcher=predictor.last_successor(), prefetch=cfj.PrefetchSettings())
     adm = stats["prefetch"]["admission"]
     assert adm["useful"][1] > 0.9 and adm["refused"] == 0
+    assert set(adm["foresight"]) == {"foreseen_return", "victim_return", "foreseen_first"}
     off = replay(read_trace(path), device_bytes=6, host_bytes=0,
                  prefetcher=predictor.last_successor(),
                  prefetch=cfj.PrefetchSettings(adaptive=False))
@@ -547,3 +548,79 @@ def test_a_displaced_victim_counts_while_guesses_hold_its_room() -> None:
     adm.room_freed("g3")  # g3 was used (or left for a demand newcomer): u would be out anyway
     adm.accessed("u")
     assert adm.returned == 1 and adm.watching == 0 and not adm.held
+
+
+# --------------------------------------------------------------------- foreseen blocks
+
+
+def _use_guess(planner, key: str) -> None:
+    """``key`` comes in as a rank-1 guess (room made first) and is used at once."""
+    victim = planner.victim(0, key, prefetch=True)
+    planner.remove(0, victim)
+    planner.insert(0, key, 0.0, 1, prefetched=True)
+    assert planner.access(key, 0.0)  # its first use: a prefetch used
+
+
+def test_a_foreseen_block_leaves_before_the_policys_victim() -> None:
+    planner = _planner(adaptive=True)  # LRU over k0 .. k3, k0 least recent
+    _use_guess(planner, "g")  # displaces k0; g is now the most recent
+    assert planner.victim(0, "demand") == "g"  # the predictor can bring it back in time
+    # Hit again on demand, it is an ordinary resident: LRU's victim (k1) goes instead.
+    planner.access("g", 0.0)
+    assert planner.victim(0, "demand") == "k1"
+    # Without adaptive (no measurement), the policy alone decides.
+    plain = _planner(adaptive=False)
+    _use_guess(plain, "g")
+    assert plain.victim(0, "demand") == "k1"
+
+
+def test_foreseen_blocks_stop_going_first_when_they_come_back_uncovered() -> None:
+    planner = _planner(adaptive=True)
+    foresight = planner.foresight
+    for n in range(6):
+        _use_guess(planner, f"g{n}")
+        victim = planner.victim(0, f"d{n}")
+        assert victim == f"g{n}"
+        planner.remove(0, victim)
+        planner.insert(0, f"d{n}", 0.0, 1)
+        # The foreseen block is demanded again and not prefetched: a miss its eviction caused.
+        planner.access(f"g{n}", 0.0)
+        other = planner.victim(0, f"g{n}")
+        planner.remove(0, other)
+        planner.insert(0, f"g{n}", 0.0, 1)
+        if not foresight.first:
+            break
+    assert not foresight.first and foresight.rate(1) > foresight.rate(0)
+    _use_guess(planner, "late")
+    assert planner.victim(0, "demand") != "late"  # the policy decides again
+    # Policy victims that come back uncovered as often make foreseen blocks go first again.
+    for n in range(8):
+        foresight.left_tier(0, f"v{n}")
+        foresight.accessed(f"v{n}", None)
+    assert foresight.first and planner.victim(0, "demand") == "late"
+
+
+def test_foreseen_first_saves_misses_on_chains_behind_unpredictable_heads(tmp_path: Path) -> None:
+    """Requests walk fixed chains from heads drawn at random: the chains' blocks are prefetched
+    from their heads, so only the heads need to stay; foreseen blocks leaving first keeps them."""
+    from cacheflow_jax._replay import replay
+    from cacheflow_jax._trace import read_trace
+
+    rng = np.random.default_rng(1)
+    heads = 40
+    lines = []
+    for _ in range(1500):
+        h = int(rng.zipf(1.3)) % heads
+        lines += [f"h{h}"] + [f"c{h}_{j}" for j in range(6)]
+    path = tmp_path / "chains.txt"
+    path.write_text("\n".join(lines) + "\n")
+    trace = read_trace(path)
+
+    def misses(adaptive: bool) -> int:
+        return replay(trace, device_bytes=30, host_bytes=0, policy="lru",
+                      prefetcher=predictor.last_successor(),
+                      prefetch=cfj.PrefetchSettings(lead=1, adaptive=adaptive),
+                      warmup=len(lines) // 2)["misses"]  # fmt: skip
+
+    with_foresight, without = misses(True), misses(False)
+    assert with_foresight < 0.8 * without, (with_foresight, without)
