@@ -3,26 +3,32 @@
 It restates the rules of `cacheflow_jax.policies.lfu` with plain lists scanned end to end and
 byte counts summed afresh each time: no ordered dicts, no running counters, no lazy trimming. The
 fast policy must make the same decisions. Scores use the same formula (``log2`` of the decayed
-count plus ``tick * rate``), so they compare equal to the last bit.
+count plus ``tick * rate``), so they compare equal to the last bit. The shadows of the adaptive
+policy are reference caches too, one per candidate share (the share 1 is LRU), fed the sampled
+accesses (a key is sampled when the low ``shift`` bits of its CRC-32 are 0).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 PROTECTED, HISTORY, STEP, START, MIN_GHOSTS = 0.8, 8.0, 0.02, 0.01, 64
+CANDIDATES, SAMPLE_BLOCKS, JUMP_LEAD = (0.0, 0.05, 0.2, 1.0), 64, 0.5
 
 
 class ReferenceLfu:
     """One tier of ``budget`` bytes under the ``lfu`` rules with a fixed half-life."""
 
-    def __init__(self, budget: int, *, half_life: float, window: float | None = None) -> None:
+    def __init__(
+        self, budget: float, *, half_life: float, window: float | None = None,
+        sample: int = SAMPLE_BLOCKS,
+    ) -> None:
         self.budget = budget
         self.rate = 0.0 if half_life == math.inf else 1.0 / half_life
         self.adaptive = window is None
         self.share = START if window is None else window
         self.least = 0.0
-        self.lead = 0
         self.tick = 0
         self.window: list[str] = []  # oldest first
         self.probation: list[str] = []
@@ -31,10 +37,16 @@ class ReferenceLfu:
         self.score: dict[str, float] = {}
         self.before: dict[str, float] = {}
         self.ghosts: list[tuple] = []  # (key, nbytes, from_window, stamp), oldest first
-        self.referee: list[str] = []  # LRU order, oldest first
-        self.referee_size: dict[str, int] = {}
         self.window_out = 0
         self.main_out = 0
+        self.order: list[str] = []  # residents in the order they came in (a shadow's pruning)
+        self.shadows = [] if window is not None else [
+            ReferenceLfu(0, half_life=half_life, window=w) for w in CANDIDATES]
+        self.shadow_hits = [0] * len(self.shadows)
+        self.live_hits = 0
+        self.sample = sample
+        self.shift = 0
+        self.shadow_budget = 0.0
 
     # ---------------------------------------------------------------------- helpers
 
@@ -63,10 +75,6 @@ class ReferenceLfu:
         else:
             x = old - base
             self.score[key] = base + (math.log2(1.0 + 2.0**x) if x < 50.0 else x)
-        lru_hit = key in self.referee
-        if lru_hit:
-            self.referee.remove(key)
-            self.referee.append(key)
         if key in self.window:
             self.window.remove(key)
             self.window.append(key)
@@ -92,16 +100,56 @@ class ReferenceLfu:
                 if self.adaptive:
                     self.vote(ghost)
             self.before[key] = old
-        if lru_hit != hit and self.adaptive:
-            self.judge(lru_hit)
+        sampled = self.shadows and self.sampled(key)
+        if hit and sampled:
+            self.step_shadows(key, self.size[key], True, 0)
         if not hit and nbytes <= self.budget:
             self.size[key] = nbytes
             full = False
             while self.bytes_of(self.resident()) + nbytes > self.budget:
                 full = True
                 self.forget(self.victim())
+            if sampled:
+                self.step_shadows(key, nbytes, False, nbytes)
             self.insert(key, nbytes, full)
         return hit
+
+    def sampled(self, key: str) -> bool:
+        return zlib.crc32(key.encode()) % (1 << self.shift) == 0
+
+    def step_shadows(self, key: str, nbytes: int, hit: bool, coming: int) -> None:
+        """A sampled access, ``coming`` bytes before it is inserted here."""
+        resident = self.bytes_of(self.resident()) + coming
+        count = len(self.resident()) + (coming > 0)
+        self.shadow_budget = max(self.shadow_budget, resident / 2**self.shift)
+        if count // 2**self.shift > 2 * self.sample:
+            self.shift += 1
+            self.shadow_budget /= 2
+            for shadow in self.shadows:
+                for gone in [k for k in shadow.order if not self.sampled(k)]:
+                    shadow.forget(gone)
+            if not self.sampled(key):
+                return
+        for i, shadow in enumerate(self.shadows):
+            shadow.budget = self.shadow_budget
+            self.shadow_hits[i] += shadow.access(key, nbytes)
+        self.live_hits += hit
+        most = max(self.shadow_hits)
+        if most - self.live_hits >= JUMP_LEAD * max(count // 2**self.shift, 8):
+            share = CANDIDATES[self.shadow_hits.index(most)]
+            self.shadow_hits = [0] * len(self.shadows)
+            self.live_hits = 0
+            self.least = share if share > self.share else 0.0
+            self.share = share
+            while (len(self.window) > 1 and self.bytes_of(self.window[1:])
+                   >= share * self.bytes_of(self.resident())):
+                self.to_probation(self.window[0])
+
+    def to_probation(self, key: str) -> None:
+        self.window.remove(key)
+        self.before.pop(key, None)
+        self.window_out += self.size[key]
+        self.probation.append(key)
 
     def vote(self, ghost: tuple) -> None:
         _, _, from_window, stamp = ghost
@@ -111,39 +159,26 @@ class ReferenceLfu:
         elif not from_window and self.main_out - stamp <= margin:
             self.share = max(self.share - STEP, self.least)
 
-    def judge(self, lru_hit: bool) -> None:
-        self.lead += 1 if lru_hit else -1
-        count = len(self.resident())
-        worth = max(count, 8)
-        if self.lead >= worth:
-            self.share += (1.0 - self.share) / 2
-            if 1.0 - self.share < 1.0 / max(count, 1):
-                self.share = 1.0
-            self.least = self.share
-            self.lead = 0
-        elif self.lead <= -worth:
-            self.least /= 2
-            self.lead = 0
-
     def victim(self) -> str:
         main = self.probation if self.probation else self.protected
         window_full = self.bytes_of(self.window) >= self.share * self.bytes_of(self.resident())
         if self.window and (not main or window_full):
             candidate = self.window[0]
             if not main:
+                if self.share < 1.0:  # main emptied while the share was 1: it starts main
+                    self.to_probation(candidate)
+                    return self.victim()
                 return candidate
             weakest = main[0]
             if self.before.get(candidate, -math.inf) >= self.score[weakest]:
-                self.window.remove(candidate)
-                self.before.pop(candidate, None)
-                self.window_out += self.size[candidate]
-                self.probation.append(candidate)
+                self.to_probation(candidate)
                 return weakest
             return candidate
         return main[0] if main else self.window[0]
 
     def forget(self, key: str) -> None:
         nbytes = self.size[key]
+        self.order.remove(key)
         if key in self.window:
             self.window.remove(key)
             self.before.pop(key, None)
@@ -165,15 +200,8 @@ class ReferenceLfu:
         if key not in self.before:
             self.before[key] = -math.inf
         self.window.append(key)
+        self.order.append(key)
         resident = self.bytes_of(self.resident())
-        if key not in self.referee:
-            self.referee.append(key)
-            self.referee_size[key] = nbytes
-            while sum(self.referee_size[k] for k in self.referee) > resident and self.referee:
-                self.referee_size.pop(self.referee.pop(0))
         if not full:
             while (self.bytes_of(self.window) > self.share * resident and len(self.window) > 1):
-                moved = self.window.pop(0)
-                self.before.pop(moved, None)
-                self.window_out += self.size[moved]
-                self.probation.append(moved)
+                self.to_probation(self.window[0])

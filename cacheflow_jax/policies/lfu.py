@@ -19,24 +19,28 @@ The idea.
     bytes evicted from that segment says that segment was a step too small: the share moves one
     step (2% of the cache) toward it. These are ARC's ghost hits, counted only near the margin:
     ghosts of a loop come back from far and say nothing about one step;
-  - a *referee*, a shadow LRU list of the same bytes (keys only), counts the accesses that LRU
-    hits and we miss, and the reverse. When LRU is a cache's worth of hits ahead, the share moves
-    halfway to 1 and the margin votes may not go below it until we are a cache's worth ahead of
-    LRU again (then that floor halves). A trace that only recency serves (a zig-zag scan) finds
-    plain LRU this way; margin votes alone cannot see that far.
-* Sizes count in bytes everywhere (shares, ghosts, the referee), so a big block takes the room
+  - *miniature simulations* (Waldspurger et al., ATC'17) referee it: shadow caches at fixed
+    shares (0, 5%, 20%, and 1, which is LRU) run on a hashed sample of the keys with the same
+    share of the bytes (every key while the cache holds <= 128 blocks, then a shadow holds 64 to
+    128 blocks). When the shadow with the most hits leads our own hits on the same sampled
+    accesses by half a shadow's blocks, the share jumps to the shadow's and the counts restart.
+    A jump up is the votes' floor (a zig-zag that wants LRU is invisible to them); a jump down
+    gives the window's overflow to probation. Only sampled accesses touch the shadows.
+* Sizes count in bytes everywhere (shares, ghosts, the shadows), so a big block takes the room
   of many small ones.
 * TTL: a block idle for ``ttl`` seconds leaves whatever its score (a sweep every ``ttl / 8``).
-* Two tiers are one cache. The segments, scores, ghosts and referee span L1 and L2, and what
+* Two tiers are one cache. The segments, scores, ghosts and shadows span L1 and L2, and what
   leaves the cache is what one cache of the summed size would evict: L2's victim is that block,
   or, when it is in L1, L1 gives it up and L2 refuses it (``admit``). L1's victim, a block moving
   down to L2, is its block with the lowest score, so L1 keeps the most used blocks.
 
-Every constant here (0.8, a half-life of 4 caches, 8x, 2%, a cache's worth, halfway) was chosen
-on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and what else was tried.
+Every constant here (0.8, a half-life of 4 caches, 8x, 2%, the shadows' shares, 64 blocks, half a
+shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and
+what else was tried.
 
 Cost per access: O(1) amortised. A hit is a few dict operations and one ``log2``; a miss adds a
-duel, a ghost and O(1) amortised trimming; the half-life is re-expressed (O(keys)) only when the
+duel, a ghost and O(1) amortised trimming; a sampled access (all of them in a cache of <= 128
+blocks, 1 in 32 at 3,000 blocks) also steps 3 shadow caches and an LRU list; the half-life is re-expressed (O(keys)) only when the
 resident count has doubled or halved since the last time.
 """
 
@@ -48,6 +52,7 @@ import math
 from collections import OrderedDict
 
 from cacheflow_jax.policies._base import Key, Policy, check_ttl
+from cacheflow_jax.policies._minisim import MiniSims
 
 # Each constant's sweep over the 19 shared traces is in docs/policies.md.
 PROTECTED = 0.8  # protected share of main (Caffeine's)
@@ -55,8 +60,9 @@ HALF_LIFE_PER_BLOCK = 4.0  # half-life of a count, in accesses per resident bloc
 HISTORY = 8.0  # ghosts kept, in bytes (and in keys) per resident byte (key)
 STEP = 0.02  # the margin and step of the window's share, as a share of the resident bytes
 START = 0.01  # the window's share at first (Caffeine's)
-REFEREE_LEAD = 1.0  # the referee's lead that moves the share, in resident blocks (a cache's worth)
-REFEREE_MOVE = 0.5  # how far toward LRU the share moves then (halfway)
+CANDIDATES = (0.0, 0.05, 0.2, 1.0)  # the shadows' fixed window shares (1.0 is LRU)
+SAMPLE_BLOCKS = 64  # a shadow holds 64-128 blocks (every key while the cache holds <= 128)
+JUMP_LEAD = 0.5  # a shadow's lead over the live cache that makes it jump, in shadow blocks
 _MIN_GHOSTS = 64  # ghost keys kept whatever the bytes (a cache of a few huge blocks needs some)
 _NEVER = -math.inf  # the score before a first access
 
@@ -77,7 +83,6 @@ class LfuState:
     # key -> (nbytes, from_window, stamp), oldest first: what is remembered of an evicted key,
     # the segment it left (window or main) and that segment's eviction clock when it left.
     ghosts: OrderedDict
-    referee: OrderedDict  # shadow LRU over the same bytes: key -> nbytes
     ttl: float
     last: dict  # key -> last access time in seconds (only with a TTL)
     num_tiers: int
@@ -87,7 +92,6 @@ class LfuState:
     resident: int = 0  # bytes in all segments (all tiers)
     count: int = 0  # blocks in all segments
     ghost_bytes: int = 0
-    referee_bytes: int = 0
     window_out: int = 0  # bytes that left the window, ever (window ghosts' clock)
     main_out: int = 0  # bytes evicted from main, ever (main ghosts' clock)
     tick: int = 0  # accesses
@@ -95,9 +99,8 @@ class LfuState:
     rated_for: int = 0  # resident blocks when the half-life was last set
     next_rate_check: int = 64
     share: float = 0.01  # the window's target share of the resident bytes
-    least: float = 0.0  # the share's lower bound set by the referee
+    least: float = 0.0  # the share's lower bound: where the last jump up went
     adaptive: bool = True
-    lead: int = 0  # referee: accesses LRU hit and we missed, minus the reverse, since a decision
     full: bool = False  # a victim was asked for since the last insert
     next_sweep: float = -math.inf
     current: Key | None = None  # the key of the latest access
@@ -108,6 +111,8 @@ class LfuState:
     tier_of: dict | None = None  # resident key -> tier
     moving: dict | None = None  # key -> tier it left, until it is inserted again
     heaps: list | None = None  # per tier: (score, key) lower bounds, a lazy min-heap
+    sims: MiniSims | None = None  # the shadows (adaptive only)
+    pending: Key | None = None  # a sampled miss, stepped through the shadows at its insert
 
 
 def lfu(
@@ -149,11 +154,15 @@ def lfu(
 
     def init(num_tiers: int) -> LfuState:
         state = LfuState(
-            OrderedDict(), OrderedDict(), OrderedDict(), {}, {}, OrderedDict(), OrderedDict(),
-            ttl_s, {}, num_tiers,
+            OrderedDict(), OrderedDict(), OrderedDict(), {}, {}, OrderedDict(), ttl_s, {},
+            num_tiers,
         )
         state.share = START if window is None else float(window)
         state.adaptive = window is None
+        if window is None:
+            state.sims = MiniSims(
+                lambda w: lfu(window=w, half_life=half_life, ttl=None), CANDIDATES,
+                sample=int(SAMPLE_BLOCKS), lead=JUMP_LEAD, known=state.score)
         if fixed_rate is not None:
             state.rate = fixed_rate
             state.next_rate_check = 1 << 62
@@ -169,15 +178,13 @@ def lfu(
         if old is None:
             score[key] = base
             old = _NEVER
+            if state.sims is not None:
+                state.sims.new_key(key)
         else:
             x = old - base  # log2 of the count now
             score[key] = base + (log2(1.0 + 2.0**x) if x < 50.0 else x)
         if timed:
             state.last[key] = now
-        referee = state.referee
-        lru_hit = key in referee
-        if lru_hit:
-            referee.move_to_end(key)
         window = state.window
         if key in window:
             window.move_to_end(key)
@@ -201,14 +208,26 @@ def lfu(
             state.current = key
             state.missing = not hit
             state.loser = state.drop = None
-        if lru_hit is not hit and state.adaptive:
-            _referee(state, lru_hit)
+        sims = state.sims
+        if sims is not None and (not sims.mask or key in sims.members):
+            if hit:
+                nbytes = window.get(key) or state.protected.get(key) or state.probation[key]
+                jump = sims.step(key, nbytes, True, state.resident, state.count)
+                if jump is not None:
+                    _jump(state, jump)
+            else:
+                state.pending = key  # its size comes with its insert
         if tick >= state.next_rate_check:
             _check_rate(state)
 
     def insert(state: LfuState, tier: int, key: Key, now: float, nbytes: int = 1) -> None:
         if state.tier_of is None and tier > 0:
             _layer(state)
+        if key == state.pending:
+            state.pending = None
+            jump = state.sims.step(key, nbytes, False, state.resident + nbytes, state.count + 1)
+            if jump is not None:
+                _jump(state, jump)
         if state.moving and key in state.moving:  # moved between tiers: not judged again
             del state.moving[key]
             _place(state, tier, key)
@@ -224,6 +243,8 @@ def lfu(
                 state.ghost_bytes -= ghost[0]
             if key not in state.score:  # a fresh count
                 state.score[key] = state.tick * state.rate
+                if state.sims is not None:
+                    state.sims.new_key(key)
                 if timed:
                     state.last[key] = now
             before[key] = _NEVER
@@ -231,13 +252,6 @@ def lfu(
         state.window_bytes += nbytes
         resident = state.resident = state.resident + nbytes
         state.count += 1
-        referee = state.referee
-        if key not in referee:
-            referee[key] = nbytes
-            shadow = state.referee_bytes + nbytes
-            while shadow > resident and referee:
-                shadow -= referee.popitem(last=False)[1]
-            state.referee_bytes = shadow
         if not state.full:  # the cache had room: the window's overflow joins probation, no duel
             limit = state.share * resident
             while state.window_bytes > limit and len(state.window) > 1:
@@ -309,6 +323,7 @@ def lfu(
             "window": window,
             "window_now": state.share,
             "window_least": state.least,
+            "sample_rate": None if state.sims is None else 1.0 / (1 << state.sims.shift),
             "half_life": None if state.rate == 0 else 1.0 / state.rate,
             "history": HISTORY,
             "ttl": None if state.ttl == math.inf else state.ttl,
@@ -333,6 +348,9 @@ def _loser(state: LfuState) -> Key | None:
     if window and (not main or state.window_bytes >= state.share * state.resident):
         candidate = next(iter(window))
         if not main:
+            if state.share < 1.0:  # main emptied while the share was 1: the candidate starts it
+                _to_probation(state, candidate)
+                return _loser(state)
             return candidate
         weakest = next(iter(main))
         if state.before.get(candidate, _NEVER) >= state.score[weakest]:
@@ -409,6 +427,8 @@ def _trim_ghosts(state: LfuState) -> None:
         del state.score[key]
         state.before.pop(key, None)
         state.last.pop(key, None)
+        if state.sims is not None:
+            state.sims.members.discard(key)
 
 
 def _check_rate(state: LfuState) -> None:
@@ -441,6 +461,26 @@ def _check_rate(state: LfuState) -> None:
 # ------------------------------------------------------------------------------ adaptation
 
 
+def _set_share(state: LfuState, share: float) -> None:
+    """The window's share becomes ``share``; a window over it gives its oldest to probation."""
+    state.share = share
+    window = state.window
+    limit = share * state.resident
+    while len(window) > 1:
+        oldest = next(iter(window))
+        if state.window_bytes - window[oldest] < limit:
+            break
+        _to_probation(state, oldest)
+
+
+def _jump(state: LfuState, share: float) -> None:
+    """A shadow at ``share`` hit more than we did: take its share. Up, it is the floor of the
+    margin votes (they cannot see what made the jump, e.g. a zig-zag that wants LRU); down, the
+    floor is gone."""
+    state.least = share if share > state.share else 0.0
+    _set_share(state, share)
+
+
 def _vote(state: LfuState, ghost: tuple) -> None:
     """A miss on a ghost that left its segment within STEP of the bytes: one step toward it."""
     margin = STEP * state.resident
@@ -450,21 +490,6 @@ def _vote(state: LfuState, ghost: tuple) -> None:
             state.share = min(state.share + STEP, 1.0)
     elif state.main_out - stamp <= margin:
         state.share = max(state.share - STEP, state.least)
-
-
-def _referee(state: LfuState, lru_hit: bool) -> None:
-    """LRU hit where we missed (or the reverse): when it leads by a cache's worth, go halfway."""
-    state.lead += 1 if lru_hit else -1
-    worth = max(REFEREE_LEAD * state.count, 8)
-    if state.lead >= worth:
-        state.share += (1.0 - state.share) * REFEREE_MOVE
-        if 1.0 - state.share < 1.0 / max(state.count, 1):
-            state.share = 1.0
-        state.least = state.share
-        state.lead = 0
-    elif state.lead <= -worth:
-        state.least /= 2
-        state.lead = 0
 
 
 # ------------------------------------------------------------------------------ tiers
