@@ -14,7 +14,7 @@ import math
 import zlib
 
 PROTECTED, HISTORY, STEP, START, MIN_GHOSTS = 0.8, 8.0, 0.02, 0.01, 64
-CANDIDATES, SAMPLE_BLOCKS, JUMP_LEAD = (0.0, 0.05, 0.2, 1.0), 64, 0.5
+CANDIDATES, SAMPLE_BLOCKS, JUMP_LEAD = (0.0, 0.05, 0.2, 1.0), 32, 0.5
 
 
 class ReferenceLfu:

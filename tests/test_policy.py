@@ -172,7 +172,7 @@ def test_the_shadows_take_a_zig_zag_to_lru():
     ours = replay(trace, device_bytes=100, host_bytes=0, policy="lfu")
     plain_lru = replay(trace, device_bytes=100, host_bytes=0, policy="lru")
     frozen = replay(trace, device_bytes=100, host_bytes=0, policy=lfu(window=0.01))
-    assert ours["policy"]["window_now"] == 1.0  # from 0.01, in one jump
+    assert ours["policy"]["window_now"] >= 0.9  # from 0.01: the jump to 1.0 (votes may nudge it)
     assert frozen["miss_ratio"] > plain_lru["miss_ratio"] + 0.2  # the frozen window misses all
     assert ours["miss_ratio"] < plain_lru["miss_ratio"] + 0.02  # (the referee's halving: +.043)
 
@@ -195,7 +195,7 @@ def test_a_jump_down_gives_the_window_to_probation_and_holds_a_loop():
 
 
 def test_shadows_sample_the_keys_of_a_large_cache():
-    # 3000 resident blocks: the rate halves until a shadow holds 64-128 blocks (1/32 here); the
+    # 3000 resident blocks: the rate halves until a shadow holds 32-64 blocks (1/64 here); the
     # shadows hold only sampled keys, within their share of the bytes.
     from cacheflow_jax.policies._minisim import key_hash
 
@@ -205,12 +205,12 @@ def test_shadows_sample_the_keys_of_a_large_cache():
     hits, state = _drive(policy, keys, dict.fromkeys(keys, 1), 3000)
     sims = state.sims
     assert state.count == 3000
-    assert policy.describe(state)["sample_rate"] == 1 / 32 == 1 / (sims.mask + 1)
-    assert sims.budget == pytest.approx(3000 / 32, abs=1)
+    assert policy.describe(state)["sample_rate"] == 1 / 64 == 1 / (sims.mask + 1)
+    assert sims.budget == pytest.approx(3000 / 64, abs=1)
     for shadow in sims.shadows:
-        assert shadow.sizes and all(key_hash(k) % 32 == 0 for k in shadow.sizes)
+        assert shadow.sizes and all(key_hash(k) % 64 == 0 for k in shadow.sizes)
         assert shadow.used <= sims.budget
-    assert sims.members == {k for k in state.score if key_hash(k) % 32 == 0}
+    assert sims.members == {k for k in state.score if key_hash(k) % 64 == 0}
 
 
 def test_margin_votes_move_the_window_toward_the_segment_that_was_short():
@@ -309,7 +309,7 @@ def _drive(policy, keys: list[str], size_of: dict[str, int], budget: int) -> tup
     return hits, state
 
 
-def _same(keys, size_of, budget, half_life, window, sample=64):
+def _same(keys, size_of, budget, half_life, window, sample=32):
     hits, state = _drive(lfu(half_life=half_life, window=window, ttl=None), keys, size_of, budget)
     ref = ReferenceLfu(budget, half_life=half_life, window=window, sample=sample)
     assert hits == [ref.access(k, size_of[k]) for k in keys]
@@ -333,7 +333,7 @@ def test_lfu_makes_the_reference_decisions(keys, sizes, budget, half_life, windo
           half_life, window)
 
 
-@pytest.mark.parametrize("seed,sample", [(0, 64), (1, 64), (2, 64), (3, 4), (4, 4)])
+@pytest.mark.parametrize("seed,sample", [(0, 32), (1, 32), (2, 32), (3, 4), (4, 4)])
 def test_lfu_makes_the_reference_decisions_on_long_mixed_patterns(seed, sample, monkeypatch):
     # Long enough for ghost trimming (> 64 ghosts) and jumps, with scans, loops, a moving hot
     # set and a Zipf mix; with a sample of 4 blocks the shadows see 1/8 of the keys.

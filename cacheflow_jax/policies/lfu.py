@@ -21,8 +21,8 @@ The idea.
     ghosts of a loop come back from far and say nothing about one step;
   - *miniature simulations* (Waldspurger et al., ATC'17) referee it: shadow caches at fixed
     shares (0, 5%, 20%, and 1, which is LRU) run on a hashed sample of the keys with the same
-    share of the bytes (every key while the cache holds <= 128 blocks, then a shadow holds 64 to
-    128 blocks). When the shadow with the most hits leads our own hits on the same sampled
+    share of the bytes (every key while the cache holds <= 64 blocks, then a shadow holds 32 to
+    64 blocks). When the shadow with the most hits leads our own hits on the same sampled
     accesses by half a shadow's blocks, the share jumps to the shadow's and the counts restart.
     A jump up is the votes' floor (a zig-zag that wants LRU is invisible to them); a jump down
     gives the window's overflow to probation. Only sampled accesses touch the shadows.
@@ -34,7 +34,7 @@ The idea.
   or, when it is in L1, L1 gives it up and L2 refuses it (``admit``). L1's victim, a block moving
   down to L2, is its block with the lowest score, so L1 keeps the most used blocks.
 
-Every constant here (0.8, a half-life of 4 caches, 8x, 2%, the shadows' shares, 64 blocks, half a
+Every constant here (0.8, a half-life of 4 caches, 8x, 2%, the shadows' shares, 32 blocks, half a
 shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and
 what else was tried.
 
@@ -61,7 +61,7 @@ HISTORY = 8.0  # ghosts kept, in bytes (and in keys) per resident byte (key)
 STEP = 0.02  # the margin and step of the window's share, as a share of the resident bytes
 START = 0.01  # the window's share at first (Caffeine's)
 CANDIDATES = (0.0, 0.05, 0.2, 1.0)  # the shadows' fixed window shares (1.0 is LRU)
-SAMPLE_BLOCKS = 64  # a shadow holds 64-128 blocks (every key while the cache holds <= 128)
+SAMPLE_BLOCKS = 32  # a shadow holds 32-64 blocks (every key while the cache holds <= 64)
 JUMP_LEAD = 0.5  # a shadow's lead over the live cache that makes it jump, in shadow blocks
 _MIN_GHOSTS = 64  # ghost keys kept whatever the bytes (a cache of a few huge blocks needs some)
 _NEVER = -math.inf  # the score before a first access
