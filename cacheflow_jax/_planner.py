@@ -203,33 +203,39 @@ class Foresight:
     the policy's victim (after stale guesses), as long as that has paid: of the blocks that left
     a tier, both kinds are watched (a FIFO of the last `WATCH` of each), and each that comes back
     *uncovered* (on a demand access, not as a prefetch used) counts against its kind. Foreseen
-    blocks go first while their uncovered return rate is at most the policy victims'. A foreseen
-    block accessed again while resident is an ordinary resident again (the stream wanted it
-    without a guess). This is the idea of integrated prefetching and caching (Cao et al.,
-    SIGMETRICS'95): evicting what can be prefetched back in time costs nothing.
+    blocks go first while their uncovered returns per byte evicted are at most the policy
+    victims' (bytes, since the room a newcomer needs is in bytes). A foreseen block accessed
+    again while resident is an ordinary resident again (the stream wanted it without a guess).
+    This is the idea of integrated prefetching and caching (Cao et al., SIGMETRICS'95): evicting
+    what can be prefetched back in time costs nothing.
 
-    Priors: each kind starts with `PRIOR` evictions and no returns, so foreseen blocks go
-    first until the evidence says otherwise; counts are halved past `HALF` evictions.
+    Priors: each kind starts with `PRIOR` evictions (of its mean size) and no returns, so
+    foreseen blocks go first until the evidence says otherwise; counts are halved past `HALF`
+    evictions of a kind.
     """
 
     PRIOR = 2.0  # pseudo-evictions behind each kind's cold-start rate
     HALF = 512.0  # counts are halved past this many evictions of a kind
     WATCH = 4096  # blocks that left watched per kind (the oldest are dropped first)
 
-    __slots__ = ("blocks", "gone", "left", "returned", "first")
+    __slots__ = ("blocks", "sizes", "gone", "left", "left_bytes", "returned", "first")
 
     def __init__(self, num_tiers: int) -> None:
         # Per tier, the foreseen residents, oldest first.
         self.blocks: list[dict[str, None]] = [{} for _ in range(num_tiers)]
+        self.sizes: dict[str, int] = {}  # resident key -> nbytes
         # Blocks that left a tier: key -> foreseen when it left (kind 1) or not (kind 0).
         self.gone: list[dict[str, None]] = [{}, {}]
         self.left = [0.0, 0.0]  # evictions per kind (decayed)
-        self.returned = [0.0, 0.0]  # uncovered returns per kind (decayed)
+        self.left_bytes = [0.0, 0.0]  # their bytes (decayed alike)
+        self.returned = [0.0, 0.0]  # uncovered returns per kind (decayed alike)
         self.first = True  # whether foreseen blocks go first now
 
     def rate(self, kind: int) -> float:
-        """Uncovered returns per eviction of ``kind`` (1: foreseen, 0: the policy's victims)."""
-        return self.returned[kind] / (self.left[kind] + self.PRIOR)
+        """Uncovered returns per byte evicted of ``kind`` (1: foreseen, 0: the policy's victims)."""
+        left, nbytes = self.left[kind], self.left_bytes[kind]
+        mean = nbytes / left if left > 0 and nbytes > 0 else 1.0
+        return self.returned[kind] / (nbytes + self.PRIOR * mean)
 
     def accessed(self, key: str, tier: int | None) -> None:
         """``key`` is accessed: as a prefetch used in ``tier`` (covered), or on demand (None)."""
@@ -249,7 +255,7 @@ class Foresight:
                     blocks.pop(key, None)
 
     def left_tier(self, tier: int, key: str) -> None:
-        """``key`` left ``tier`` (evicted, or moving to another tier: `back` undoes that)."""
+        """``key`` left ``tier`` (evicted, or moving to another tier: `arrived` undoes that)."""
         blocks = self.blocks[tier]
         kind = 1 if blocks and blocks.pop(key, 0) is None else 0
         other = self.gone[1 - kind]
@@ -259,26 +265,29 @@ class Foresight:
         gone[key] = None
         if len(gone) > self.WATCH:
             del gone[next(iter(gone))]
-        left = self.left[kind] + 1.0
-        if left > self.HALF:
-            left /= 2
+        self.left[kind] += 1.0
+        self.left_bytes[kind] += self.sizes.pop(key, 1)  # `arrived` sets it again on a move
+        if self.left[kind] > self.HALF:
+            self.left[kind] /= 2
+            self.left_bytes[kind] /= 2
             self.returned[kind] /= 2
-        self.left[kind] = left
         self.first = self.rate(1) <= self.rate(0)
 
-    def back(self, key: str) -> None:
-        """``key`` is resident again before any access (a move between tiers, or a prefetch)."""
+    def arrived(self, key: str, nbytes: int) -> None:
+        """``key`` (``nbytes``) went into a tier: a move between tiers undoes its `left_tier`."""
+        self.sizes[key] = nbytes
         for kind in (0, 1):
             gone = self.gone[kind]
             if gone and gone.pop(key, 0) is None:
                 self.left[kind] = max(self.left[kind] - 1.0, 0.0)
+                self.left_bytes[kind] = max(self.left_bytes[kind] - nbytes, 0.0)
                 return
 
     def describe(self) -> dict:
-        """The two kinds' uncovered return rates, and whether foreseen blocks go first."""
+        """Each kind's uncovered returns per eviction, and whether foreseen blocks go first."""
         return {
-            "foreseen_return": round(self.rate(1), 4),
-            "victim_return": round(self.rate(0), 4),
+            "foreseen_return": round(self.returned[1] / (self.left[1] + self.PRIOR), 4),
+            "victim_return": round(self.returned[0] / (self.left[0] + self.PRIOR), 4),
             "foreseen_first": self.first,
         }
 
@@ -440,7 +449,7 @@ class Planner:
         """
         self._insert(self.state, tier, key, now, nbytes)
         if self.foresight is not None:
-            self.foresight.back(key)
+            self.foresight.arrived(key, nbytes)
         if prefetched and self.tracking:
             unused = self.unused[tier]
             if key not in unused:
