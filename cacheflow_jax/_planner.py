@@ -38,9 +38,10 @@ The decisions:
 * ``ranking``: the predictor's latest proposals, key -> rank (1 first), set by the scheduler.
 
 Cost: with prefetch off, one attribute test per access on top of the policy's; on, a counter
-increment and a dict lookup per tier (and one more while displaced victims are watched). A hit
-on a block that is no unused guess never reaches the planner in the live cache (`_drain`), so
-none of this is on the hit path.
+increment and a dict lookup per tier (and one more while displaced victims are watched), plus,
+with ``adaptive``, `Foresight`'s few dict operations per access and per move. The live cache's
+hit path only appends the key to a buffer; the buffered hits reach the planner in batches under
+the lock (`_drain`), and skip it while no guess is unused and no resident is foreseen.
 """
 
 from __future__ import annotations
@@ -302,7 +303,8 @@ class Planner:
       tracking: keep the prefetch bookkeeping (access count, unused prefetched blocks, the
         predictor's ranking); off, it costs nothing per access.
       adaptive: with ``tracking``, judge guesses against their victims by measured rates
-        (`Admission`, rule 5 of the module doc).
+        (`Admission`, rule 5 of the module doc) and let foreseen blocks leave first while that
+        pays (`Foresight`, rule 2).
       prior_return: `Admission`'s cold-start victim return rate (the cache passes
         ``PrefetchSettings.min_score``, so a cold scheduler keeps today's score floor).
 
