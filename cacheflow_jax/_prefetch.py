@@ -113,8 +113,11 @@ class PrefetchSettings:
       adaptive: a guess displaces the policy's victim only while guesses of its rank have been
         used more often than a guess costs (hits lost to the victims it displaced), and it is
         loaded only if its score reaches that cost, instead of ``min_score`` (both measured
-        online; `cacheflow_jax._planner.Admission`). Off: ``min_score``, and every guess the
-        predictor does not rank below its victim is admitted.
+        online; `cacheflow_jax._planner.Admission`); and a block the prefetch brought in and
+        that was then used (foreseen) leaves first while foreseen blocks come back uncovered no
+        more often, per byte, than the policy's victims (`cacheflow_jax._planner.Foresight`).
+        Off: ``min_score``, every guess the predictor does not rank below its victim is
+        admitted, and the policy alone picks victims after stale guesses.
     """
 
     k: int = 4
