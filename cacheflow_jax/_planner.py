@@ -274,14 +274,16 @@ class Foresight:
             self.returned[kind] /= 2
         self.first = self.rate(1) <= self.rate(0)
 
-    def arrived(self, key: str, nbytes: int) -> None:
-        """``key`` (``nbytes``) went into a tier: a move between tiers undoes its `left_tier`."""
+    def arrived(self, key: str, nbytes: int, *, prefetched: bool) -> None:
+        """``key`` (``nbytes``) went into a tier without an access: a move between tiers undoes
+        its `left_tier`; a prefetch of a block that left is a covered return (not counted)."""
         self.sizes[key] = nbytes
         for kind in (0, 1):
             gone = self.gone[kind]
             if gone and gone.pop(key, 0) is None:
-                self.left[kind] = max(self.left[kind] - 1.0, 0.0)
-                self.left_bytes[kind] = max(self.left_bytes[kind] - nbytes, 0.0)
+                if not prefetched:
+                    self.left[kind] = max(self.left[kind] - 1.0, 0.0)
+                    self.left_bytes[kind] = max(self.left_bytes[kind] - nbytes, 0.0)
                 return
 
     def describe(self) -> dict:
@@ -451,7 +453,7 @@ class Planner:
         """
         self._insert(self.state, tier, key, now, nbytes)
         if self.foresight is not None:
-            self.foresight.arrived(key, nbytes)
+            self.foresight.arrived(key, nbytes, prefetched=prefetched)
         if prefetched and self.tracking:
             unused = self.unused[tier]
             if key not in unused:
