@@ -624,3 +624,24 @@ def test_foreseen_first_saves_misses_on_chains_behind_unpredictable_heads(tmp_pa
 
     with_foresight, without = misses(True), misses(False)
     assert with_foresight < 0.8 * without, (with_foresight, without)
+
+
+def test_foresight_counts_what_left_and_what_came_back_uncovered_per_byte() -> None:
+    from cacheflow_jax._planner import Foresight
+
+    f = Foresight(1)
+    f.arrived("a", 4, prefetched=True)
+    f.accessed("a", 0)  # a prefetch used: foreseen
+    f.left_tier(0, "a")  # evicted: one foreseen block of 4 bytes left
+    assert (f.left, f.left_bytes) == ([0.0, 1.0], [0.0, 4.0])
+    f.arrived("a", 4, prefetched=True)  # prefetched back: a covered return, no cost
+    assert (f.left, f.returned) == ([0.0, 1.0], [0.0, 0.0])
+    f.arrived("b", 2, prefetched=False)
+    f.left_tier(0, "b")
+    f.arrived("b", 2, prefetched=False)  # a move between tiers, not an eviction: undone
+    assert (f.left[0], f.left_bytes[0]) == (0.0, 0.0)
+    f.arrived("c", 8, prefetched=False)
+    f.left_tier(0, "c")
+    f.accessed("c", None)  # back on a demand access: an uncovered return of a policy victim
+    assert f.returned == [1.0, 0.0] and f.left_bytes[0] == 8.0
+    assert f.rate(0) == 1.0 / (8.0 + f.PRIOR * 8.0) and f.rate(1) == 0.0 and f.first
