@@ -14,7 +14,9 @@ The decisions:
 
   1. a stale prefetched block: a guess not used by the time it was expected to be (its rank, in
      accesses, after it landed), oldest first. A guess that has not paid off leaves before
-     anything the stream asked for; a guess whose time has not come is an ordinary resident;
+     anything the stream asked for; a guess whose time has not come is an ordinary resident,
+     and so is an overdue one that the predictor's latest proposals (``ranking``) name again:
+     its wait restarts at its new rank (a guess ranked 3rd may be the 4th access ahead);
   2. with ``adaptive``, a foreseen block (`Foresight`): one whose latest access was a prefetch
      used, while such blocks come back uncovered no more often than the policy's victims;
   3. else the policy's victim, if the policy admits the newcomer against it (`Policy.admit`);
@@ -391,15 +393,24 @@ class Planner:
         """
         unused = self.unused[tier]
         admission = self.admission
-        if unused:
-            key, (due, _) = next(iter(unused.items()))
-            if due < self.count:
-                if admission is not None and newcomer is not None:
-                    if prefetch:
-                        admission.room_passed(key, newcomer)
-                    else:
-                        admission.room_freed(key)
-                return key  # stale: it was not used when it was expected to be
+        ranking = self.ranking
+        while unused:
+            key, (due, rank_in) = next(iter(unused.items()))
+            if due >= self.count:
+                break
+            renewed = ranking.get(key)
+            if renewed is not None:
+                # Overdue, but the predictor's latest proposals name it again: it is still
+                # expected (a guess ranked 3rd may be 4 accesses ahead), so its wait restarts.
+                del unused[key]
+                unused[key] = (self.count + renewed, rank_in)
+                continue
+            if admission is not None and newcomer is not None:
+                if prefetch:
+                    admission.room_passed(key, newcomer)
+                else:
+                    admission.room_freed(key)
+            return key  # stale: it was not used when it was expected to be
         foresight = self.foresight
         if foresight is not None and foresight.first:
             foreseen = foresight.blocks[tier]
