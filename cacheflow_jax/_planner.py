@@ -48,6 +48,8 @@ the lock (`_drain`), and skip it while no guess is unused and no resident is for
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from cacheflow_jax.policies import Policy, admit_all
@@ -350,6 +352,29 @@ class Planner:
         self._victim = policy.victim
         self._insert = policy.insert
         self._remove = policy.remove
+
+    def direct(self) -> tuple[Callable[[int], Any], Callable[[Any, str, str], bool] | None,
+                              Callable[[int, str], None], Callable[[int, str, float, int], None]]:
+        """``(victim, admit, remove, insert)``: the policy's own functions over its state, for a
+        planner that does not track prefetches (rules 1, 2, 4 and 5 never apply then).
+
+        ``victim(tier)`` is rule 3's candidate, which leaves only if ``admit`` (None: always)
+        takes the newcomer against it: ``admit(state, newcomer, victim)``. Replay's one-tier
+        loop calls these instead of `victim` / `remove` / `insert`, whose checks for prefetch
+        bookkeeping it would pay on every miss (about a sixth of its time).
+
+        Raises:
+          RuntimeError: the planner tracks prefetches (its own rules apply: call its methods).
+        """
+        if self.tracking:
+            raise RuntimeError("Planner.direct: this planner tracks prefetches; use its methods")
+        state = self.state
+        return (
+            functools.partial(self._victim, state),
+            self.admit,
+            functools.partial(self._remove, state),
+            functools.partial(self._insert, state),
+        )
 
     def access(self, key: str, now: float) -> bool:
         """The policy sees an access; returns True if it is the first use of a prefetched block."""

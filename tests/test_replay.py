@@ -172,6 +172,65 @@ def test_replay_fast_path_equals_live_get_path(policy, device, host):
         assert fast[field] == live[field], field
 
 
+def _replay_cache(trace: Trace, policy, device: int) -> TieredCache:
+    return TieredCache(
+        TraceStore(trace), device_bytes=device, host_bytes=0, policy=policy, clock=lambda: 0.0,
+        tiers=[MetadataTier(device, name="device", setting="device_bytes"),
+               MetadataTier(0, name="host", setting="host_bytes")],
+        read_buffer=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady"])
+@pytest.mark.parametrize(("path", "share"), [(MOONCAKE, 0.05), (CLOUDPHYSICS, 0.0015)])
+def test_one_tier_replay_loop_equals_the_general_loop_step_by_step(policy, path, share):
+    """Replay's one-tier loop (`_access_many_l1`) against the loop for every case, on a timed
+    trace (the TTL's sweeps run), with sizes that vary (cloudPhysics: a block larger than L1 is
+    never cached): the same residents, counters and policy state after every 50 accesses."""
+    trace = read_trace(path, limit=6000)
+    store = TraceStore(trace)
+    sizes, times = store.sizes_of(trace.keys), trace.t.tolist()
+    budget = max(int(trace.distinct_bytes() * share), 1)
+    # A TTL short enough to expire blocks within the 6,000 accesses' span of time.
+    ttl = max((times[-1] - times[0]) / 20, 1e-3)
+
+    def make():
+        if policy == "belady":
+            return belady(trace)
+        return cfj.get_policy(policy) if policy == "lru" else cfj.lfu(ttl=ttl)
+
+    one, general = _replay_cache(trace, make(), budget), _replay_cache(trace, make(), budget)
+    assert budget < max(sizes) or path == MOONCAKE
+    for lo in range(0, len(trace.keys), 50):
+        part = slice(lo, lo + 50)
+        one.access_many_sync(trace.keys[part], times[part], sizes[part])  # the one-tier loop
+        general._access_many_tiers(trace.keys[part], times[part], sizes[part])
+        assert one._l1.keys() == general._l1.keys(), lo
+        assert one._tiers[0].used == general._tiers[0].used <= budget
+    a, b = one.stats(), general.stats()
+    for field in ("requests", "hits", "misses", "byte_miss_ratio", "tiers", "policy"):
+        assert a[field] == b[field], field
+    assert a["misses"] > 0 and a["hits"]["device"] > 0
+
+
+def test_one_tier_replay_loop_expires_blocks_during_a_run_of_hits():
+    """Ten blocks, then one of them hit for 100 s: the others pass the TTL while only hits
+    happen, and leave then, in both loops alike."""
+    keys = [f"k{i}" for i in range(10)] + ["k0"] * 200
+    t = np.arange(len(keys), dtype=np.float64) / 2
+    trace = Trace("hits", t, keys, np.ones(len(keys), np.int64), ["kv"] * len(keys),
+                  [None] * len(keys))  # fmt: skip
+    one, general = _replay_cache(trace, cfj.lfu(ttl=20.0), 10), _replay_cache(
+        trace, cfj.lfu(ttl=20.0), 10
+    )
+    times, sizes = t.tolist(), [1] * len(keys)
+    for i in range(len(keys)):
+        one.access_many_sync(keys[i : i + 1], times[i : i + 1], sizes[i : i + 1])
+        general._access_many_tiers(keys[i : i + 1], times[i : i + 1], sizes[i : i + 1])
+        assert one._l1.keys() == general._l1.keys(), i
+    assert list(one._l1) == ["k0"]  # the other nine expired, with no miss after them
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.05, 0.10, 0.20])
 def test_lru_equals_libcachesim_lru(fraction):
     import libcachesim as lcs  # in the test extra: a missing peer is a failure, not a skip
