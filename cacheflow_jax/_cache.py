@@ -587,13 +587,7 @@ class TieredCache:
                 if prefetch is not None:
                     prefetch.after(key, now)
         finally:
-            n = self._n
-            n["device"] += device
-            n["host"] += in_host
-            n["miss"] += miss
-            n["bytes"] += total
-            n["host_bytes"] += host_bytes
-            n["miss_bytes"] += miss_bytes
+            self._add_counts(device, in_host, miss, total, host_bytes, miss_bytes)
 
     def _access_many_l1(
         self, keys: Sequence[str], times: Sequence[float], sizes: Sequence[int]
@@ -640,11 +634,19 @@ class TieredCache:
                     insert(DEVICE, key, now, nbytes)
                 tier.used = used
         finally:
-            n = self._n
-            n["device"] += device
-            n["miss"] += miss
-            n["bytes"] += total
-            n["miss_bytes"] += miss_bytes
+            self._add_counts(device, 0, miss, total, 0, miss_bytes)
+
+    def _add_counts(
+        self, device: int, host: int, miss: int, total: int, host_bytes: int, miss_bytes: int
+    ) -> None:
+        """Adds a replay loop's counters, kept in locals over the loop, to the cache's."""
+        n = self._n
+        n["device"] += device
+        n["host"] += host
+        n["miss"] += miss
+        n["bytes"] += total
+        n["host_bytes"] += host_bytes
+        n["miss_bytes"] += miss_bytes
 
     def _install_sync(
         self, key: str, nbytes: int, now: float, prefetched: bool = False, rank: int = 1
