@@ -152,6 +152,30 @@ def test_two_tiers_hold_what_one_tier_of_the_sum_holds(name):
         assert abs(two["miss_ratio"] - one["miss_ratio"]) <= 0.01
 
 
+@pytest.mark.parametrize("window", [None, 0.0, 0.05, 0.2])
+def test_lfu_two_tiers_of_unit_blocks_are_exactly_one_cache_of_the_sum(window):
+    # Skewed reuse with a scan and a loop mixed in (so the window moves, the duel rejects and
+    # promotes, and the shadows jump): at every access L1 + L2 hold exactly what one tier of
+    # their summed budget holds, from the first block L1 gives up to L2 on.
+    rng = random.Random(11)
+    keys = []
+    for phase in range(12):
+        if phase % 4 == 1:
+            keys += [f"s{phase}_{i}" for i in range(150)]
+        elif phase % 4 == 3:
+            keys += [f"l{i}" for i in range(130)] * 3
+        else:
+            keys += [f"k{int(rng.paretovariate(0.9)) % 400}" for _ in range(600)]
+    trace = _trace(keys)
+    two = _cache(lfu(window=window, ttl=None), trace, 20, 80)
+    one = _cache(lfu(window=window, ttl=None), trace, 100, 0)
+    for i, key in enumerate(keys):
+        two.access_sync(key, 0.0)
+        one.access_sync(key, 0.0)
+        assert _resident(two) == _resident(one), f"access {i} ({key})"
+    assert two.stats()["hits"]["host"] > 0
+
+
 # ------------------------------------------------------------------------- the default, lfu
 
 
