@@ -30,9 +30,12 @@ The idea.
   of many small ones.
 * TTL: a block idle for ``ttl`` seconds leaves whatever its score (a sweep every ``ttl / 8``).
 * Two tiers are one cache. The segments, scores, ghosts and shadows span L1 and L2, and what
-  leaves the cache is what one cache of the summed size would evict: L2's victim is that block,
-  or, when it is in L1, L1 gives it up and L2 refuses it (``admit``). L1's victim, a block moving
-  down to L2, is its block with the lowest score, so L1 keeps the most used blocks.
+  leaves the cache is what one cache of the summed size would evict: each block L1 gives up on a
+  miss pairs with that cache's loser, which L2 gives up, or, when it is in L1 or is the block
+  moving down, L2 refuses (``admit``). L1's victim, a block moving down to L2, is its block with
+  the lowest score, so L1 keeps the most used blocks. With unit sizes two tiers hold exactly what
+  one tier holds; with sizes a demotion can need more room in L2 than the loser frees, and L2
+  then gives up that cache's next loser.
 
 Every constant here (0.8, a half-life of 4 caches, 8x, 2%, the shadows' shares, 32 blocks, half a
 shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and
