@@ -30,9 +30,12 @@ The idea.
   of many small ones.
 * TTL: a block idle for ``ttl`` seconds leaves whatever its score (a sweep every ``ttl / 8``).
 * Two tiers are one cache. The segments, scores, ghosts and shadows span L1 and L2, and what
-  leaves the cache is what one cache of the summed size would evict: L2's victim is that block,
-  or, when it is in L1, L1 gives it up and L2 refuses it (``admit``). L1's victim, a block moving
-  down to L2, is its block with the lowest score, so L1 keeps the most used blocks.
+  leaves the cache is what one cache of the summed size would evict: each block L1 gives up on a
+  miss pairs with that cache's loser, which L2 gives up, or, when it is in L1 or is the block
+  moving down, L2 refuses (``admit``). L1's victim, a block moving down to L2, is its block with
+  the lowest score, so L1 keeps the most used blocks. With unit sizes two tiers hold exactly what
+  one tier holds; with sizes a demotion can need more room in L2 than the loser frees, and L2
+  then gives up that cache's next loser.
 
 Every constant here (0.8, a half-life of 4 caches, 8x, 2%, the shadows' shares, 32 blocks, half a
 shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and
@@ -102,11 +105,14 @@ class LfuState:
     least: float = 0.0  # the share's lower bound: where the last jump up went
     adaptive: bool = True
     full: bool = False  # a victim was asked for since the last insert
+    filled: bool = False  # the last tier has given up a block (two tiers: the cache is full)
     next_sweep: float = -math.inf
     current: Key | None = None  # the key of the latest access
     missing: bool = False  # the latest access missed the whole cache
     loser: Key | None = None  # the block the whole cache gives up for the current miss
     drop: Key | None = None  # that block, when it is moving down from L1: L2 refuses it
+    gone: Key | None = None  # one tier: the latest block evicted, and its ``before``
+    gone_before: float = _NEVER
     # Tier placement, from the first block in L2 on (None before: one tier).
     tier_of: dict | None = None  # resident key -> tier
     moving: dict | None = None  # key -> tier it left, until it is inserted again
@@ -222,7 +228,7 @@ def lfu(
 
     def insert(state: LfuState, tier: int, key: Key, now: float, nbytes: int = 1) -> None:
         if state.tier_of is None and tier > 0:
-            _layer(state)
+            _layer(state, key)
         if key == state.pending:
             state.pending = None
             jump = state.sims.step(key, nbytes, False, state.resident + nbytes, state.count + 1)
@@ -231,8 +237,12 @@ def lfu(
         if state.moving and key in state.moving:  # moved between tiers: not judged again
             del state.moving[key]
             _place(state, tier, key)
-            if key == state.drop:
-                state.drop = None  # the tier below had room after all
+            if key == state.drop or state.loser is not None:
+                # The tier below had room after all. Before the whole cache was ever full, one
+                # cache would have evicted nothing, and the window's overflow joins probation at
+                # the newcomer's insert; after, it is the room that sizes leave unused in a tier.
+                state.drop = state.loser = None
+                state.full = state.filled
             return
         before = state.before
         # A key that missed has its ghost taken out and its score and ``before`` set by that
@@ -264,6 +274,9 @@ def lfu(
 
     def remove(state: LfuState, tier: int, key: Key) -> None:
         if state.tier_of is None:
+            if not tier:  # it may be moving down to L2, the first block there: see _layer
+                state.gone = key
+                state.gone_before = state.before.get(key, _NEVER)
             _forget(state, key)
             return
         if state.tier_of.get(key) != tier:
@@ -275,20 +288,28 @@ def lfu(
             state.moving[key] = tier  # moved (demoted or promoted), or gone: see _settle
 
     def victim(state: LfuState, tier: int) -> Key | None:
-        state.full = True
         if state.tier_of is None:
+            state.full = True
             return _loser(state)
         last = tier == state.num_tiers - 1
         if not last:
+            # Each block L1 gives up on a miss pairs with the block one cache gives up (if the
+            # tier below has room after all, `insert` undoes the pairing).
             if state.missing and state.loser is None and state.drop is None:
+                state.full = True
                 loser = _loser(state)
                 if loser is not None and state.tier_of.get(loser) == tier:
                     state.drop = loser  # one cache would evict it: the tier below refuses it
                     return loser
                 state.loser = loser
             return _coldest(state, tier)
+        state.filled = state.full = True
         loser, state.loser = state.loser, None
+        if loser is None and state.drop is None:  # more room than one cache frees: its next
+            loser = _loser(state)
         if loser is None or state.tier_of.get(loser) != tier:
+            if loser is not None and loser in state.moving and loser != state.current:
+                state.drop = loser  # the block moving down is the loser: this tier refuses it
             return _next_in(state, tier)
         return loser
 
@@ -495,13 +516,43 @@ def _vote(state: LfuState, ghost: tuple) -> None:
 # ------------------------------------------------------------------------------ tiers
 
 
-def _layer(state: LfuState) -> None:
-    """The first block in a lower tier: from now on, track which tier holds each block."""
+def _layer(state: LfuState, key: Key) -> None:
+    """The first block in a lower tier, ``key``: from now on, track which tier holds each block.
+
+    Until then the state was one tier's, so ``key``, moving down from L1, was taken for an
+    eviction: it is put back where it was, at the old end of its segment, as if it never left
+    (`_loser` gives up the oldest of the window, or of main: probation's, else protected's).
+    """
+    gone = state.gone == key and key in state.ghosts
+    state.gone = None
+    if gone:
+        nbytes, from_window, _ = state.ghosts.pop(key)
+        state.ghost_bytes -= nbytes
+        segment = (state.window if from_window else state.probation if state.probation
+                   else state.protected)
+        segment[key] = nbytes
+        segment.move_to_end(key, last=False)
+        if from_window:
+            state.window_bytes += nbytes
+            state.window_out -= nbytes
+            state.before[key] = state.gone_before
+        else:
+            state.main_out -= nbytes
+            if segment is state.probation:
+                state.probation_bytes += nbytes
+            else:
+                state.protected_bytes += nbytes
+        state.resident += nbytes
+        state.count += 1
+        state.full = False  # one cache of both tiers' bytes had room
     state.moving = {}
     state.tier_of = dict.fromkeys([*state.window, *state.probation, *state.protected], 0)
     state.heaps = [[] for _ in range(state.num_tiers)]
     state.heaps[0] = [(state.score[k], k) for k in state.tier_of]
     heapq.heapify(state.heaps[0])
+    if gone:
+        del state.tier_of[key]
+        state.moving[key] = 0  # `insert` places it in its new tier
 
 
 def _place(state: LfuState, tier: int, key: Key) -> None:
