@@ -9,14 +9,14 @@ before it is read, so budgets can be checked before any I/O.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import numpy as np
-
-if TYPE_CHECKING:  # this module stays free of JAX: replay imports it without paying for JAX
+if TYPE_CHECKING:  # this module stays free of JAX and numpy: replay imports it without either
     import jax
+    import numpy as np
 
     # An entry of a stored pytree's key path: a dict key or a list index.
     KeyKind = jax.tree_util.DictKey | jax.tree_util.SequenceKey
@@ -165,7 +165,7 @@ class ArrayInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(int(d) for d in self.shape) * self.dtype.itemsize
 
 
 class ReadFuture(Protocol):

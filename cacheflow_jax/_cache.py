@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import numbers
 import os
 import sys
 import threading
@@ -31,8 +32,6 @@ import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from cacheflow_jax._blocks import (
     DEFAULT_TIMEOUT,
@@ -63,8 +62,9 @@ from cacheflow_jax.policies import Policy, get_policy
 if TYPE_CHECKING:
     from predictor import Predictor
 
-if TYPE_CHECKING:  # JAX loads with the device tier, not here: replay runs without it
+if TYPE_CHECKING:  # JAX loads with the device tier and numpy where used: replay needs neither
     import jax
+    import numpy as np
 
 DEVICE, HOST = 0, 1
 
@@ -205,7 +205,7 @@ class TieredCache:
             raise ValueError(f"l3_timeout={l3_timeout!r} must be a number of seconds > 0, or None")
         if writeback_bytes is None:
             writeback_bytes = 2 * sum(t.budget for t in self._tiers)
-        if isinstance(writeback_bytes, bool) or not isinstance(writeback_bytes, int | np.integer):
+        if isinstance(writeback_bytes, bool) or not isinstance(writeback_bytes, numbers.Integral):
             raise BudgetError(f"writeback_bytes={writeback_bytes!r} must be an integer number of bytes")
         if writeback_bytes < 0:
             raise BudgetError(f"writeback_bytes={writeback_bytes} is negative; give a byte budget >= 0")
@@ -489,6 +489,8 @@ class TieredCache:
                 self._inflight[key] = _Transit()
                 taken.append((key, view, self._inflight[key]))
         kept = []
+        import numpy as np
+
         for key, view, transit in taken:
             try:
                 value = np.array(view)  # a copy: the view holds the whole chunk's buffer
@@ -1115,6 +1117,8 @@ class TieredCache:
                 f"writeback_bytes={self._writeback_bytes}; split it or raise writeback_bytes"
             )
         value = self._tiers[DEVICE].load(array)
+        import numpy as np
+
         info = BlockInfo(key, tuple(value.shape), np.dtype(value.dtype), int(value.nbytes))
         deadline = self._deadline()
         while True:
@@ -1841,6 +1845,7 @@ def _error_of(future: Any) -> BaseException | None:
 def _as_block(key: str, array: Any) -> Any:
     """``array`` as a numeric numpy or JAX array that the device holds exactly, else an error."""
     import jax
+    import numpy as np
 
     if not isinstance(array, jax.Array | np.ndarray):
         try:
@@ -1875,12 +1880,14 @@ def _tensorstore_store(store: Any) -> bool:
 def _narrowed(dtype: Any) -> bool:
     """Whether JAX would narrow ``dtype`` on the way to the device (64-bit, x64 off)."""
     import jax
+    import numpy as np
 
     return np.dtype(dtype) != jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _to_host(value: Any) -> np.ndarray:
     import jax
+    import numpy as np
 
     return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else np.asarray(value)
 

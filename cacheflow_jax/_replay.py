@@ -17,17 +17,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from cacheflow_jax._blocks import ArrayInfo, BlockInfo, BudgetError
 from cacheflow_jax._cache import TieredCache
 from cacheflow_jax._prefetch import PrefetchSettings
 from cacheflow_jax._tiers import PRESENT, MetadataTier
 from cacheflow_jax._trace import Trace
 from cacheflow_jax.policies import Policy, get_policy
-from cacheflow_jax.policies.belady import belady
-
-_U8 = np.dtype(np.uint8)
 
 
 class _Ready:
@@ -64,7 +59,9 @@ class _Infos(dict):
         n = self.sizes.get(key)
         if n is None:
             raise KeyError(f"no block {key!r} in store {self.spec}")
-        info = self[key] = BlockInfo(key, (n,), _U8, n)
+        import numpy as np  # only for a key's info: replay itself needs no numpy
+
+        info = self[key] = BlockInfo(key, (n,), np.dtype(np.uint8), n)
         return info
 
 
@@ -158,7 +155,12 @@ def replay(
     if device_bytes == 0:
         raise BudgetError(f"device_bytes=0 cannot hold any object of {trace.path}; give a "
                           f"budget in bytes (its largest object has {largest}) or a percentage")
-    pol = belady(trace) if policy == "belady" else get_policy(policy)
+    if policy == "belady":
+        from cacheflow_jax.policies.belady import belady
+
+        pol = belady(trace)
+    else:
+        pol = get_policy(policy)
     clock = _Clock()
     tiers = [
         MetadataTier(device_bytes, name="device", setting="device_bytes"),
@@ -181,7 +183,7 @@ def replay(
     keys = trace.keys
     sizes = store.sizes_of(keys)
     # No timestamps: time stands still at 0, so idle time (and TTL expiry) never accrues.
-    times = trace.t.tolist() if trace.timed else [0.0] * len(keys)
+    times = trace.times() if trace.timed else [0.0] * len(keys)
     bar = None
     if progress:
         from tqdm.auto import tqdm  # only with a progress bar: it costs startup time

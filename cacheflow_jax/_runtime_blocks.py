@@ -13,10 +13,12 @@ import struct
 import tempfile
 import urllib.parse
 import zlib
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError
+
+if TYPE_CHECKING:  # numpy is imported where used: replay imports this module without it
+    import numpy as np
 
 _RUNTIME_PREFIX = "_runtime/"
 _RUNTIME_SUFFIX = ".block"
@@ -38,6 +40,8 @@ _RUNTIME_MIN_HEADER = 256
 
 def _numeric(dtype: np.dtype) -> bool:
     """True for dtypes TensorStore stores: bool, ints, floats (incl. bfloat16), complex."""
+    import numpy as np  # (bfloat16's kind is "V" too: only numpy's own void type is refused)
+
     if dtype.kind in "OUSM" or dtype.names is not None or dtype.type is np.void:
         return False
     try:
@@ -56,6 +60,8 @@ def _runtime_name(key: str) -> str:
 
 def _encode_runtime(value: np.ndarray) -> bytes:
     """Serializes one runtime block (see ``_RUNTIME_FORMAT``)."""
+    import numpy as np
+
     if value.dtype.byteorder == ">":
         value = value.astype(value.dtype.newbyteorder("<"))
     payload = np.ascontiguousarray(value).tobytes()
@@ -77,6 +83,8 @@ def _parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tupl
     (size,) = struct.unpack("<I", data[8:12])
     if len(data) < size:
         return {}, size
+    import numpy as np
+
     try:
         header = json.loads(data[12:size])
         header["shape"] = tuple(int(s) for s in header["shape"])
@@ -91,6 +99,8 @@ def _parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tupl
 
 def _decode_runtime(data: bytes, key: str, store: str, where: str) -> np.ndarray:
     """Parses and checks one runtime block file."""
+    import numpy as np
+
     header, size = _parse_runtime_header(data, key, store, where)
     payload = data[size:]
     dtype, shape = header.get("dtype"), header.get("shape")

@@ -9,14 +9,14 @@ a transfer starts and released only after a block has left. Tiers are not thread
 from __future__ import annotations
 
 import abc
+import numbers
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from cacheflow_jax._blocks import BudgetError, DtypeError
 
-if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX
+if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX or numpy
     import jax
+    import numpy as np
 
 # A value standing in for a block's bytes when the cache only tracks metadata (replay).
 PRESENT = True
@@ -30,6 +30,7 @@ def check_device_dtype(dtype: np.dtype, key: str) -> None:
     serve or write back such a changed block.
     """
     import jax
+    import numpy as np
 
     dtype = np.dtype(dtype)
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
@@ -51,7 +52,8 @@ class AbstractTier(abc.ABC):
     entries: dict[str, Any]
 
     def __init__(self, budget: int, *, setting: str) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        # numbers.Integral: Python's and numpy's integers (numpy registers its own).
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
             raise BudgetError(f"{setting}={budget!r} must be an integer number of bytes")
         if budget < 0:
             raise BudgetError(f"{setting}={budget} is negative; give a byte budget >= 0")
@@ -119,6 +121,7 @@ class HostTier(AbstractTier):
 
     def load(self, value: Any) -> np.ndarray:
         import jax
+        import numpy as np
 
         return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else value
 

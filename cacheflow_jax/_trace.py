@@ -19,17 +19,18 @@ naming the file and the line number; nothing is skipped silently.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import gzip
 import io
 import json
 import math
 import os
-from collections.abc import Iterator
-
-import numpy as np
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax._blocks import parse_bytes
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMATS = ("log", "mooncake", "libcachesim-csv", "txt")
 KINDS = ("weight", "embedding", "kv", "other")
@@ -43,18 +44,75 @@ class TraceFormatError(ValueError):
     """A trace line could not be read; the message names the file and line."""
 
 
-@dataclasses.dataclass
 class Trace:
-    """An access trace in columns."""
+    """An access trace in columns.
 
-    path: str
-    t: np.ndarray  # float64 seconds, non-decreasing
-    keys: list[str]
-    nbytes: np.ndarray  # int64 > 0
-    kinds: list[str]
-    reqs: list[str | None]
-    timed: bool = True  # False: the format has no clock and ``t`` is the access index
-    _sizes: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    Attributes:
+      path: the file it was read from.
+      t: float64 seconds, non-decreasing (a numpy array, built on first use).
+      keys: the keys accessed.
+      nbytes: int64 sizes > 0 (a numpy array, built on first use).
+      kinds: each access's kind.
+      reqs: each access's request id, or None.
+      timed: False when the format has no clock and ``t`` is the access index.
+
+    ``t`` and ``nbytes`` may be given as lists (`read_trace` does): they become arrays only when
+    asked for, so that a replay, which needs lists, never imports numpy (its import is a tenth of
+    a replay's process time).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        t: Sequence[float] | np.ndarray,
+        keys: list[str],
+        nbytes: Sequence[int] | np.ndarray,
+        kinds: list[str],
+        reqs: list[str | None],
+        timed: bool = True,
+    ) -> None:
+        self.path = path
+        self._t = t
+        self.keys = keys
+        self._nbytes = nbytes
+        self.kinds = kinds
+        self.reqs = reqs
+        self.timed = timed
+        self._sizes: dict[str, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"Trace(path={self.path!r}, accesses={len(self.keys)}, timed={self.timed})"
+
+    @property
+    def t(self) -> np.ndarray:
+        """The accesses' times in seconds (float64)."""
+        if isinstance(self._t, list | tuple):
+            import numpy as np
+
+            self._t = np.asarray(self._t, np.float64)
+        return self._t
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        """The accesses' sizes in bytes (int64)."""
+        if isinstance(self._nbytes, list | tuple):
+            import numpy as np
+
+            self._nbytes = np.asarray(self._nbytes, np.int64)
+        return self._nbytes
+
+    def times(self) -> list[float]:
+        """The accesses' times as a list of floats (without building the array)."""
+        t = self._t
+        return list(t) if isinstance(t, list | tuple) else t.tolist()
+
+    def _nbytes_list(self) -> list[int]:
+        n = self._nbytes
+        return list(n) if isinstance(n, list | tuple) else n.tolist()
+
+    def largest(self) -> int:
+        """The largest access size in bytes (0 for an empty trace)."""
+        return max(self._nbytes_list(), default=0)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -65,12 +123,12 @@ class Trace:
         Computed once per trace (a `Trace` is not changed after it is read).
         """
         if self._sizes is None:
-            nbytes = self.nbytes
-            if len(nbytes) and nbytes.min() == nbytes.max():  # one size for all: no loop
+            nbytes = self._nbytes_list()
+            if nbytes and min(nbytes) == max(nbytes):  # one size for all: no loop
                 self._sizes = dict.fromkeys(self.keys, int(nbytes[0]))
             else:
                 out: dict[str, int] = {}
-                for key, n in zip(self.keys, nbytes.tolist()):
+                for key, n in zip(self.keys, nbytes):
                     if n > out.get(key, 0):
                         out[key] = n
                 self._sizes = out
@@ -83,7 +141,7 @@ class Trace:
     def records(self) -> Iterator[dict]:
         """The accesses as access log v1 dicts."""
         for t, key, n, kind, req in zip(
-            self.t.tolist(), self.keys, self.nbytes.tolist(), self.kinds, self.reqs
+            self.times(), self.keys, self._nbytes_list(), self.kinds, self.reqs
         ):
             row = {"t": t, "key": key, "nbytes": n, "kind": kind}
             if req is not None:
@@ -94,9 +152,9 @@ class Trace:
         """The accesses ``start:stop`` as a new trace."""
         return Trace(
             self.path,
-            self.t[start:stop],
+            self._t[start:stop],
             self.keys[start:stop],
-            self.nbytes[start:stop],
+            self._nbytes[start:stop],
             self.kinds[start:stop],
             self.reqs[start:stop],
             self.timed,
@@ -182,10 +240,8 @@ def read_trace(
     t, keys, nbytes, kinds, reqs = cols
     if not keys:
         raise ValueError(f"trace {path} ({fmt}) holds no accesses; give a non-empty trace")
-    return Trace(
-        path, np.asarray(t, np.float64), keys, np.asarray(nbytes, np.int64), kinds, reqs,
-        timed=clock is not False,
-    )
+    # Lists: the arrays are built when first asked for (`Trace.t`), so a replay never needs numpy.
+    return Trace(path, t, keys, nbytes, kinds, reqs, timed=clock is not False)
 
 
 def _fail(path: str, line: int, what: str) -> TraceFormatError:
@@ -454,7 +510,7 @@ def parse_size(
     return value
 
 
-def split_point(t: np.ndarray, eval_fraction: float) -> int:
+def split_point(t: Sequence[float] | np.ndarray, eval_fraction: float) -> int:
     """The first held-out position: the last ``eval_fraction`` of accesses, cut between timestamps.
 
     `cacheflow train` splits its logs here, and `cacheflow replay --warmup P%` starts counting
@@ -467,7 +523,7 @@ def split_point(t: np.ndarray, eval_fraction: float) -> int:
     Returns:
       ``start`` with ``t[start-1] < t[start]`` (unless no later timestamp exists), ``1 <= start``.
 
-    >>> split_point(np.array([0., 0., 1., 1., 1., 2.]), 0.5)
+    >>> split_point([0., 0., 1., 1., 1., 2.], 0.5)
     5
     """
     n = len(t)

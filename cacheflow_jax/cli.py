@@ -529,7 +529,7 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     warmup = _replay_warmup(args.warmup, trace)
     total = trace.distinct_bytes()
-    largest = int(trace.nbytes.max())
+    largest = trace.largest()
     unit = largest == 1
     host = parse_trace_size(
         args.host_bytes, total=total, largest=largest, setting="--host-bytes", unit_size=unit
