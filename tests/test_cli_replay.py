@@ -151,3 +151,30 @@ def test_replay_prefetch_bad_input_is_one_line_exit_2(small_trace, capsys, flags
     err = capsys.readouterr().err
     assert rc == 2 and words in err and "Traceback" not in err
     assert len([x for x in err.splitlines() if x.strip()]) == 1
+
+
+def test_a_replay_process_never_imports_numpy(tmp_path):
+    """`cacheflow replay` with the default policy runs without numpy (its import is a tenth of a
+    replay's process time: bench.replay_speed): a fresh interpreter replays a small trace and
+    checks what it imported."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(
+        json.dumps({"t": i * 0.5, "key": f"k{i % 7}", "nbytes": 4 + i % 3, "kind": "kv"}) + "\n"
+        for i in range(200)
+    ))  # fmt: skip
+    code = (
+        "import sys, json, io, contextlib\n"
+        "from cacheflow_jax.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    rc = main(['replay', {str(path)!r}, '--device-bytes', '30%', '--json', "
+        "'--no-progress'])\n"
+        "stats = json.loads(out.getvalue())\n"
+        "print(rc, stats['requests'], stats['misses'] > 0, 'numpy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)  # fmt: skip
+    assert done.stdout.split() == ["0", "200", "True", "False"], done.stdout + done.stderr
