@@ -318,7 +318,15 @@ class TieredCache:
             self._start_writes()  # dirty blocks the TTL just expired
 
     def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
-        """Returns several blocks; all the L3 reads among them are issued at once."""
+        """Returns several blocks; all the L3 reads among them are issued at once.
+
+        Blocks in L2 are promoted in the order of ``keys``, each before the next key's access,
+        so the policy sees what `get` of each key in turn would show it.
+
+        Raises:
+          KeyError: a key names no block (before anything moves).
+          DtypeError: JAX would narrow a block's dtype on the device (before anything moves).
+        """
         keys = list(keys)
         for key in keys:
             if not isinstance(key, str):
@@ -330,26 +338,43 @@ class TieredCache:
                 self._reads.append(key)
                 out[key] = value
         pending = list(dict.fromkeys(k for k in keys if k not in out))
+        for key in pending:  # bad keys fail before anything moves or waits on this call
+            info = self.info(key)
+            if self._check_dtypes:
+                check_device_dtype(info.dtype, key)
         while pending:
             owned, waits = [], []
-            with self._lock:
-                self._drain()
-                for key in pending:
-                    step = self._begin(key)
-                    if step[0] == "hit":
-                        out[key] = step[1]
-                    elif step[0] == "wait":
-                        waits.append((key, step[1]))
-                    else:
-                        owned.append((key, step[1], step[2]))
-            l3 = [(k, info) for k, info, src in owned if src is None]
+            first_error: BaseException | None = None
             deadline = self._deadline()
+            for key in pending:
+                try:
+                    with self._lock:
+                        self._drain()
+                        step = self._begin(key)
+                except BaseException as e:  # release the loads claimed so far: none may hang
+                    self._abandon(owned, e)
+                    raise
+                if step[0] == "hit":
+                    out[key] = step[1]
+                elif step[0] == "wait":
+                    waits.append((key, step[1]))
+                elif step[2] is not None:
+                    # In L2 (or waiting for a write-back): promoted now, before the next key's
+                    # access, so the policy sees each access followed by its own moves, as in
+                    # `get` and replay (a promotion left pending behind later accesses would
+                    # be judged as a block that left the cache).
+                    try:
+                        out[key] = self._finish(key, step[1], step[2], None, deadline)
+                    except BaseException as e:  # finish the other loads before raising
+                        first_error = first_error or e
+                else:
+                    owned.append((key, step[1], None))
+            l3 = [(k, info) for k, info, _ in owned]
             try:
                 futures = dict(zip((k for k, _ in l3), self._read_many([k for k, _ in l3])))
             except BaseException as e:
-                self._abandon([(k, info, src) for k, info, src in owned], e)
+                self._abandon(owned, e)
                 raise
-            first_error: BaseException | None = None
             for key, info, src in owned:
                 try:
                     out[key] = self._finish(key, info, src, futures.get(key), deadline)

@@ -514,3 +514,23 @@ def test_concurrent_misses_on_one_key_make_one_read():
         t.join(timeout=30)
     assert slow.reads == 1
     assert len(results) == 6 and all(_bitwise(r, data[5:6]) for r in results)
+
+
+def test_get_many_with_an_unknown_key_fails_before_anything_moves(tmp_path) -> None:
+    """A bad key in a batch is a KeyError naming it, raised before any block of the batch is
+    claimed: the good keys neither move nor hang a later `get` (a claimed read used to stay in
+    flight forever)."""
+    store, data = _blocks_store(4, path=f"file://{tmp_path}/s")
+    keys = sorted(store.keys())
+    cache = cfj.TieredCache(store, device_bytes=1024, host_bytes=1024)
+    cache.get(keys[1])
+    cache.evict(keys[1])
+    with pytest.raises(KeyError, match="nope"):
+        cache.get_many([keys[0], keys[1], "nope"])
+    assert cache.tier_of(keys[0]) is None and cache.stats()["requests"] == 1
+    got = []
+    t = threading.Thread(target=lambda: got.append(cache.get(keys[0])), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "get waited on a read that get_many claimed and abandoned"
+    np.testing.assert_array_equal(np.asarray(got[0]), data[0:1])
