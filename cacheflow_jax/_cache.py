@@ -566,7 +566,7 @@ class TieredCache:
         """
         if sizes is None:
             sizes = [self.info(key).nbytes for key in keys]
-        if self._pf_replay is None and self._host is None:
+        if self._pf_replay is None and self._host is None and not self._planner.tracking:
             self._access_many_l1(keys, times, sizes)
         else:
             self._access_many_tiers(keys, times, sizes)
