@@ -361,7 +361,8 @@ class Planner:
         ``victim(tier)`` is rule 3's candidate, which leaves only if ``admit`` (None: always)
         takes the newcomer against it: ``admit(state, newcomer, victim)``. Replay's one-tier
         loop calls these instead of `victim` / `remove` / `insert`, whose checks for prefetch
-        bookkeeping it would pay on every miss (about a sixth of its time).
+        bookkeeping it would pay on every miss (with L1's bookkeeping in locals, that loop took
+        replay's from 0.64x to 0.71x the accesses per second of libCacheSim's LRU loop).
 
         Raises:
           RuntimeError: the planner tracks prefetches (its own rules apply: call its methods).
