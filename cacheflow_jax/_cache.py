@@ -320,8 +320,9 @@ class TieredCache:
     def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
         """Returns several blocks; all the L3 reads among them are issued at once.
 
-        Blocks in L2 are promoted in the order of ``keys``, each before the next key's access,
-        so the policy sees what `get` of each key in turn would show it.
+        The policy sees the L1 hits first (the hit path), then the blocks only L3 holds (their
+        reads start at once), then the rest in the order of ``keys``: a block in L2 is promoted
+        before the next key's access, as `get` of each key in turn would do.
 
         Raises:
           KeyError: a key names no block (before anything moves).
@@ -343,38 +344,59 @@ class TieredCache:
             if self._check_dtypes:
                 check_device_dtype(info.dtype, key)
         while pending:
-            owned, waits = [], []
+            owned, waits, in_tiers = [], [], []
             first_error: BaseException | None = None
             deadline = self._deadline()
-            for key in pending:
+            # First the blocks only L3 holds: claimed at once and their reads issued, so that
+            # they run while the blocks in L2 are promoted below.
+            try:
+                with self._lock:
+                    self._drain()
+                    host = self._tiers[HOST].entries if len(self._tiers) > HOST else {}
+                    for key in pending:
+                        if (key in self._l1 or key in self._inflight or key in host
+                                or key in self._unwritten):
+                            in_tiers.append(key)
+                        else:
+                            _, info, src = self._begin(key)
+                            owned.append((key, info, src))
+                claimed = [k for k, _, _ in owned]
+                futures = dict(zip(claimed, self._read_many(claimed)))
+            except BaseException as e:  # release the loads claimed so far: none may hang
+                self._abandon(owned, e)
+                raise
+            # Then the rest in order. A block in L2 is promoted before the next key's access, so
+            # the policy sees each access followed by its own moves, as in `get` and replay (a
+            # promotion left pending behind later accesses would be judged as a block that had
+            # left the cache).
+            late = []
+            for key in in_tiers:
                 try:
                     with self._lock:
                         self._drain()
                         step = self._begin(key)
-                except BaseException as e:  # release the loads claimed so far: none may hang
-                    self._abandon(owned, e)
+                except BaseException as e:
+                    self._abandon(owned + late, e)
                     raise
                 if step[0] == "hit":
                     out[key] = step[1]
                 elif step[0] == "wait":
                     waits.append((key, step[1]))
                 elif step[2] is not None:
-                    # In L2 (or waiting for a write-back): promoted now, before the next key's
-                    # access, so the policy sees each access followed by its own moves, as in
-                    # `get` and replay (a promotion left pending behind later accesses would
-                    # be judged as a block that left the cache).
                     try:
                         out[key] = self._finish(key, step[1], step[2], None, deadline)
                     except BaseException as e:  # finish the other loads before raising
                         first_error = first_error or e
-                else:
-                    owned.append((key, step[1], None))
-            l3 = [(k, info) for k, info, _ in owned]
-            try:
-                futures = dict(zip((k for k, _ in l3), self._read_many([k for k, _ in l3])))
-            except BaseException as e:
-                self._abandon(owned, e)
-                raise
+                else:  # it left L2 while the blocks before it moved: read it too
+                    late.append((key, step[1], None))
+            if late:
+                try:
+                    moved = [k for k, _, _ in late]
+                    futures.update(zip(moved, self._read_many(moved)))
+                except BaseException as e:
+                    self._abandon(owned + late, e)
+                    raise
+                owned += late
             for key, info, src in owned:
                 try:
                     out[key] = self._finish(key, info, src, futures.get(key), deadline)

@@ -534,3 +534,25 @@ def test_get_many_with_an_unknown_key_fails_before_anything_moves(tmp_path) -> N
     t.join(10)
     assert not t.is_alive(), "get waited on a read that get_many claimed and abandoned"
     np.testing.assert_array_equal(np.asarray(got[0]), data[0:1])
+
+
+def test_get_many_starts_l3_reads_before_it_promotes_l2_blocks(tmp_path) -> None:
+    """In a batch of L2 and L3 blocks, the L3 reads are issued first and run while the L2
+    blocks are promoted one by one (in key order, each before the next key's access)."""
+    store, data = _blocks_store(6, path=f"file://{tmp_path}/s")
+    keys = sorted(store.keys())
+    cache = cfj.TieredCache(store, device_bytes=2 * 256, host_bytes=4 * 256)
+    for key in keys[:4]:
+        cache.get(key)  # two end in L1, two in L2
+    in_l2 = [k for k in keys[:4] if cache.tier_of(k) == "host"]
+    assert len(in_l2) == 2
+    events = []
+    read_many, load = cache._read_many, cache._tiers[0].load
+    cache._read_many = lambda ks: (events.append(("read", tuple(ks))), read_many(ks))[1]
+    cache._tiers[0].load = lambda v: (events.append(("promote",)), load(v))[1]
+    batch = [in_l2[0], keys[4], in_l2[1], keys[5]]
+    got = cache.get_many(batch)
+    assert events[0] == ("read", (keys[4], keys[5])), events
+    assert events.count(("promote",)) >= 2
+    for key, value in zip(batch, got):
+        np.testing.assert_array_equal(np.asarray(value), data[keys.index(key) : keys.index(key) + 1])

@@ -235,9 +235,9 @@ def test_one_tier_replay_loop_expires_blocks_during_a_run_of_hits():
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_live_get_many_batches_promote_as_replay_does(policy, batch):
     """`get_many` of a few keys at a time (a serving loop's layer) over two tiers that hold
-    every block between them: its L1 hits first, then each L2 block promoted before the next
-    key's access, so the blocks end in the same tiers as replay of the accesses one by one in
-    that order. (Before, a batch's
+    every block between them (no L3 read after the first touches): its L1 hits first, then each
+    L2 block promoted before the next key's access, so the blocks end in the same tiers as
+    replay of the accesses one by one in that order. (Before, a batch's
     promotions waited behind its later accesses and `lfu` took them for blocks that had left:
     the demo's log missed 101 times in batches of 2 where replay missed 74.)"""
     rng = np.random.default_rng(7)
