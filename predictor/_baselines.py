@@ -29,6 +29,7 @@ _INDEX = re.compile(r"^(.*?)(\d+(?:,\d+)*)$")
 
 
 @functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 16)  # called per candidate per prediction: keys recur
 def split_index(key: str) -> tuple[str, tuple[int, ...]] | None:
     """Splits a key into its prefix and trailing numeric block index, if it has one.
 
