@@ -879,7 +879,7 @@ class TieredCache:
             in_l1 = self._make_room(DEVICE, info.nbytes, key)
             try:
                 raw = self._read_result(key, future, deadline) if source is None else source
-                value = self._tiers[DEVICE].load(raw)
+                value = self._tiers[DEVICE].load(raw, owned=True)
             except BaseException:
                 if in_l1:
                     with self._lock:
@@ -924,7 +924,7 @@ class TieredCache:
         ):
             return None
         try:
-            return self._tiers[HOST].load(value)
+            return self._tiers[HOST].load(value, owned=True)
         except BaseException:
             with self._lock:
                 self._tiers[HOST].release(nbytes)
@@ -1550,44 +1550,50 @@ class TieredCache:
         """Moves an L2 block the predictor expects soon up to L1 (worker thread).
 
         The layer-ahead step of MoE offloading: the host copy goes to the device before the
-        access. L1 takes it only with prefetch admission (`Planner.victim`); refused, it stays in
-        L2 and nothing moves. It keeps its policy state and last access, as a demotion does, so a
-        promotion that is not used is demoted again in its turn instead of leaving the cache.
-        Counted in ``promoted`` (not in ``issued``: no L3 read).
+        access. As on a demand L2 hit, the block leaves L2 first, so that L1's victim, demoted,
+        takes its room there: a promotion swaps two blocks and pushes nothing out of the cache.
+        L1 takes it only with prefetch admission (`Planner.victim`); refused, it goes back to
+        L2 and nothing else moves. It keeps its policy state and last access, as a demotion
+        does, so a promotion that is not used is demoted again in its turn instead of leaving
+        the cache. Counted in ``promoted`` (not in ``issued``: no L3 read).
 
         Returns:
           ``"issued"`` if it moved, else ``"skip"``.
         """
-        if not self._make_room(DEVICE, nbytes, key, prefetch=True, rank=rank):
-            return "skip"
         with self._lock:
             host = self._host
             if host is None or key not in host.entries or key in self._inflight or key in self._l1:
-                self._tiers[DEVICE].release(nbytes)  # it moved meanwhile
-                self._notify_room()
-                return "skip"
-            self._planner.remove(HOST, key)
+                return "skip"  # it moved meanwhile
+            self._planner.remove(HOST, key, moving=True)
             raw = host.pop(key)
             host.release(nbytes)
             self._inflight[key] = transit = _Transit()
             self._notify_room()
         value = None
         try:
-            value = self._tiers[DEVICE].load(raw)
+            if self._make_room(DEVICE, nbytes, key, prefetch=True, rank=rank):
+                try:
+                    value = self._tiers[DEVICE].load(raw, owned=True)
+                finally:
+                    if value is None:
+                        with self._lock:
+                            self._tiers[DEVICE].release(nbytes)
         finally:
+            back = value is None and self._make_room(HOST, nbytes, None)
             with self._lock:
                 if value is not None:
                     self._tiers[DEVICE].put_reserved(key, value, nbytes)
                     self._planner.insert(DEVICE, key, self._clock(), nbytes)
                     self._pf_count("promoted", nbytes)
-                else:  # the copy failed: L1's room goes back; the block is read again when asked
-                    self._tiers[DEVICE].release(nbytes)
-                    if self._is_dirty(key):
-                        self._unwritten[key] = raw  # never lose a runtime block
+                elif back:  # refused by L1 (or the copy failed): it stays in L2
+                    host.put_reserved(key, raw, nbytes)
+                    self._planner.insert(HOST, key, self._clock(), nbytes)
+                elif self._is_dirty(key):
+                    self._unwritten[key] = raw  # never lose a runtime block
                 del self._inflight[key]
                 self._notify_room()
-            transit.finish()  # an access that waited looks again and finds it in L1
-        return "issued"
+            transit.finish()  # an access that waited looks again and finds it where it is
+        return "issued" if value is not None else "skip"
 
     def _prefetch_fail(self, key: str, nbytes: int, error: BaseException | None) -> None:
         """A prefetch load failed or was abandoned: forget it; a waiting access gets the error
@@ -1626,7 +1632,7 @@ class TieredCache:
             )
             if in_l1 or transit.demanded:
                 try:
-                    value = self._tiers[DEVICE].load(raw)
+                    value = self._tiers[DEVICE].load(raw, owned=True)
                 except BaseException:
                     if in_l1:
                         with self._lock:
@@ -1661,7 +1667,7 @@ class TieredCache:
             transit.finish(error=err if transit.demanded else None)
             return
         if demanded and value is None:
-            value = self._tiers[DEVICE].load(raw)
+            value = self._tiers[DEVICE].load(raw, owned=True)
         transit.finish(value=value if demanded else None)
 
     def _prefetch_abandon(self, worker: PrefetchWorker) -> None:

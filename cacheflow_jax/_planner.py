@@ -458,9 +458,16 @@ class Planner:
                 admission.victim_displaced(victim, newcomer)
         return victim
 
-    def remove(self, tier: int, key: str) -> bool:
-        """Forgets ``key`` in ``tier``; returns True if it was an unused prefetch (wasted)."""
-        self._remove(self.state, tier, key)
+    def remove(self, tier: int, key: str, *, moving: bool = False) -> bool:
+        """Forgets ``key`` in ``tier``; returns True if it was an unused prefetch (wasted).
+
+        ``moving``: it goes to another tier without an access (a prefetch promotion); the
+        policy keeps it (`Policy.remove`).
+        """
+        if moving:
+            self._remove(self.state, tier, key, True)
+        else:
+            self._remove(self.state, tier, key)
         if self.foresight is not None:
             self.foresight.left_tier(tier, key)
         if self.unused_blocks:

@@ -272,8 +272,8 @@ class SlabTier(AbstractTier):
     def release(self, nbytes: int) -> None:
         super().release(self.room(nbytes))
 
-    def load(self, value: Any) -> jax.Array:
-        """The block as a device array (the array a miss hands to the caller)."""
+    def load(self, value: Any, *, owned: bool = False) -> jax.Array:
+        """The block as a device array (the array a miss hands to the caller); a copy always."""
         if isinstance(value, jax.Array) and value.devices() == {self.device}:
             return value
         out = jax.device_put(value, self.device)

@@ -84,8 +84,13 @@ class AbstractTier(abc.ABC):
         return self.entries.pop(key)
 
     @abc.abstractmethod
-    def load(self, value: Any) -> Any:
-        """Converts a value from another tier (or the store) into this tier's form. May block."""
+    def load(self, value: Any, *, owned: bool = False) -> Any:
+        """Converts a value from another tier (or the store) into this tier's form. May block.
+
+        ``owned``: the cache holds the only reference to ``value`` and nothing writes to it again
+        (a store read, or a block leaving another tier), so the result may share its memory.
+        A caller's array (`TieredCache.put`) is never owned: it is copied.
+        """
 
 
 class DeviceTier(AbstractTier):
@@ -99,12 +104,15 @@ class DeviceTier(AbstractTier):
         super().__init__(budget, setting="device_bytes")
         self.device = device if device is not None else jax.devices()[0]
 
-    def load(self, value: Any) -> jax.Array:
+    def load(self, value: Any, *, owned: bool = False) -> jax.Array:
         import jax
 
         if isinstance(value, jax.Array) and value.devices() == {self.device}:
             return value
-        out = jax.device_put(value, self.device)
+        # An owned host block may become the device array itself where the device's memory is
+        # host memory (the CPU backend, with a 64-byte aligned buffer, as `_fastread`'s are): an
+        # L2 -> L1 move is then free, as it is in fact. Elsewhere the bytes are copied anyway.
+        out = jax.device_put(value, self.device, may_alias=True if owned else None)
         if out.dtype != value.dtype:  # a guard: callers check with check_device_dtype first
             raise DtypeError(f"the device changed a block's dtype from {value.dtype} to {out.dtype}")
         out.block_until_ready()  # the transfer has finished before the bytes count as resident
@@ -112,18 +120,28 @@ class DeviceTier(AbstractTier):
 
 
 class HostTier(AbstractTier):
-    """L2: numpy arrays in host memory."""
+    """L2: arrays in host memory.
+
+    A numpy array, or, for a block that comes down from a device whose memory is host memory
+    (JAX's CPU backend), that block's ``jax.Array`` itself: a copy would only duplicate the same
+    bytes in the same memory, and a promotion would copy them back. Elsewhere blocks are copied
+    to numpy (``jax.device_get``).
+    """
 
     name = "host"
 
     def __init__(self, budget: int) -> None:
         super().__init__(budget, setting="host_bytes")
 
-    def load(self, value: Any) -> np.ndarray:
+    def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
         import jax
         import numpy as np
 
-        return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else value
+        if isinstance(value, jax.Array):
+            if all(d.platform == "cpu" for d in value.devices()):
+                return value  # already in host memory, and immutable
+            return np.asarray(jax.device_get(value))
+        return value
 
 
 class MetadataTier(AbstractTier):
@@ -133,5 +151,5 @@ class MetadataTier(AbstractTier):
         super().__init__(budget, setting=setting)
         self.name = name
 
-    def load(self, value: Any) -> Any:
+    def load(self, value: Any, *, owned: bool = False) -> Any:
         return PRESENT

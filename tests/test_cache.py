@@ -549,7 +549,7 @@ def test_get_many_starts_l3_reads_before_it_promotes_l2_blocks(tmp_path) -> None
     events = []
     read_many, load = cache._read_many, cache._tiers[0].load
     cache._read_many = lambda ks: (events.append(("read", tuple(ks))), read_many(ks))[1]
-    cache._tiers[0].load = lambda v: (events.append(("promote",)), load(v))[1]
+    cache._tiers[0].load = lambda v, **kw: (events.append(("promote",)), load(v, **kw))[1]
     batch = [in_l2[0], keys[4], in_l2[1], keys[5]]
     got = cache.get_many(batch)
     assert events[0] == ("read", (keys[4], keys[5])), events

@@ -176,6 +176,33 @@ def test_lfu_two_tiers_of_unit_blocks_are_exactly_one_cache_of_the_sum(window):
     assert two.stats()["hits"]["host"] > 0
 
 
+@pytest.mark.parametrize("segment", ["window", "probation", "protected"])
+def test_lfu_a_promotion_without_an_access_moves_a_block_and_keeps_its_standing(segment):
+    # The prefetch worker promotes an L2 block the predictor expects (no access): for the one
+    # cache that spans both tiers nothing changed, so the block keeps its segment and nothing
+    # is forgotten (dropping it from the last tier as if it left the cache put it back as a
+    # newcomer in the window, whose overflow then pushed a block out).
+    rng = random.Random(7)
+    keys = [f"k{int(rng.paretovariate(0.9)) % 200}" for _ in range(3000)]
+    cache = _cache(lfu(ttl=None), _trace(keys), 20, 80)
+    for key in keys:
+        cache.access_sync(key, 0.0)
+    policy, state = cache._planner.policy, cache._planner.state
+    in_l2 = [k for k in getattr(state, segment) if state.tier_of.get(k) == 1]
+    assert in_l2, f"no L2 block in {segment}"
+    key = in_l2[0]
+
+    def standing():
+        segments = (state.window, state.probation, state.protected)
+        return [set(s) for s in segments], state.resident, state.count, key in state.ghosts
+
+    before = standing()
+    policy.remove(state, 1, key, moving=True)
+    policy.insert(state, 0, key, 0.0, 1)
+    assert standing() == before
+    assert state.tier_of[key] == 0
+
+
 @pytest.mark.parametrize("budget", [200, 1500])
 def test_lfu_two_tiers_of_sized_blocks_miss_like_one_cache_of_the_sum(budget):
     # Sizes 1-16 bytes: whole blocks leave each tier, so two tiers cannot hold exactly what one

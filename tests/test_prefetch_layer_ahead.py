@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import cacheflow_jax as cfj
 
@@ -69,6 +70,35 @@ def test_the_worker_promotes_an_l2_guess_to_l1(tmp_path: Path) -> None:
         before = cache.stats()["hits"]["device"]
         assert np.array_equal(np.asarray(s.get(_key(4))), data[4:5])
         assert cache.stats()["hits"]["device"] == before + 1
+        cache.check_budgets()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_promotion_swaps_two_blocks_and_pushes_nothing_out(tmp_path: Path, policy: str) -> None:
+    """With L1 and L2 full, a promotion takes its block out of L2 before L1's victim comes down:
+    the victim takes the promoted block's room, and every block stays in the cache."""
+    store, data = _store(tmp_path)
+    guess = _Proposes([])
+    cache = cfj.TieredCache(store, device_bytes=4 * KIB, host_bytes=4 * KIB, policy=policy,
+                            prefetcher=guess, prefetch=cfj.PrefetchSettings(k=2))  # fmt: skip
+    with cfj.serving(cache) as s:
+        for i in range(8):
+            s.get(_key(i))
+        for i in range(4):
+            s.get(_key(i))  # a loop: 0..3 back up to L1, 4..7 down to L2; both tiers full
+        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        assert [cache.tier_of(_key(i)) for i in range(8)] == ["device"] * 4 + ["host"] * 4
+        guess.keys = [_key(4)]  # what the loop wants after 3
+        s.get(_key(3))  # an L1 hit; the worker then promotes 4
+        _wait_for(lambda: cache.tier_of(_key(4)) == "device")
+        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        assert cache.stats()["prefetch"]["promoted"] == 1
+        tiers = [cache.tier_of(_key(i)) for i in range(8)]
+        assert tiers.count("device") == 4 and tiers.count("host") == 4, tiers
+        misses = cache.stats()["misses"]
+        for i in range(8):
+            assert np.array_equal(np.asarray(s.get(_key(i))), data[i : i + 1])
+        assert cache.stats()["misses"] == misses  # nothing had left for L3
         cache.check_budgets()
 
 

@@ -138,8 +138,9 @@ def test_device_memory_stays_flat_over_10000_get_evict_cycles(layout):
     """10,000 cycles of a get (an L2 -> L1 promotion) and an eviction (an L1 -> L2 demotion).
 
     With the slab, the only live device buffer is the slab itself before, during and after the
-    cycles (and its buffer never moves): nothing is allocated per block beyond the arrays handed
-    to the caller, which are dropped here. With the arrays layout, each resident block is its own
+    cycles (and its buffer never moves), with the L2 block where L2 keeps it as a jax.Array (the
+    CPU backend): nothing is allocated per block beyond the arrays handed to the caller, which are
+    dropped here. With the arrays layout, each resident block is its own
     buffer, which the count shows, so the count is not blind.
     """
     store = cfj.write_store(
@@ -156,7 +157,9 @@ def test_device_memory_stays_flat_over_10000_get_evict_cycles(layout):
     base_bytes = _live_device_bytes()
     resident = cache.stats()["tiers"]["device"]["blocks"]
     assert resident == 2
-    assert base == (1 if layout == "slab" else resident)
+    # On the CPU backend L2 keeps a demoted block's jax.Array (host memory already): count it.
+    in_l2 = sum(isinstance(v, jax.Array) for v in cache._tiers[1].entries.values())
+    assert base == (1 if layout == "slab" else resident) + in_l2
     if layout == "slab":
         pointer = cache._tiers[0].slab.array.unsafe_buffer_pointer()
     peak = 0

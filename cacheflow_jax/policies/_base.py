@@ -23,7 +23,9 @@ class Policy(NamedTuple):
     The cache calls them in this order for one access: ``access`` (hit or miss), then, for a key
     that must move into a tier, ``victim``/``admit``/``remove`` until it fits, then ``insert``. A
     block demoted from L1 to L2 is ``remove(0, key)`` then ``insert(1, key)``; one promoted from L2
-    is ``access``, ``remove(1, key)``, then ``insert(0, key)``.
+    is ``access``, ``remove(1, key)``, then ``insert(0, key)``. One promoted without an access (the
+    prefetch worker's layer-ahead step) is ``remove(1, key, moving=True)`` then ``insert(0, key)``:
+    it moves, it does not leave the cache.
 
     Attributes:
       name: short name used in stats and the CLI.
@@ -31,7 +33,8 @@ class Policy(NamedTuple):
       access: ``access(state, key, now)``; records one access (hit or miss) before any insert.
       insert: ``insert(state, tier, key, now, nbytes=1)``; ``key`` (of ``nbytes`` bytes) became
         resident in ``tier``.
-      remove: ``remove(state, tier, key)``; ``key`` left ``tier`` (evicted, moved or deleted).
+      remove: ``remove(state, tier, key, moving=False)``; ``key`` left ``tier`` (evicted, moved or
+        deleted); ``moving``: it goes to another tier without an access.
       victim: ``victim(state, tier) -> key | None``; the resident of ``tier`` to evict next (the
         caller removes it).
       admit: ``admit(state, key, victim) -> bool``; may ``key`` enter the tier in place of
@@ -44,7 +47,7 @@ class Policy(NamedTuple):
     init: Callable[[int], Any]
     access: Callable[[Any, Key, float], None]
     insert: Callable[..., None]
-    remove: Callable[[Any, int, Key], None]
+    remove: Callable[..., None]
     victim: Callable[[Any, int], Key | None]
     admit: Callable[[Any, Key, Key], bool]
     expired: Callable[[Any, int, float], list[Key]]

@@ -94,7 +94,7 @@ def belady(trace: Trace, *, size_aware: bool | None = None) -> Policy:
         state.resident[tier][key] = None
         heapq.heappush(state.heaps[tier], (-state.next_use.get(key, math.inf), key))
 
-    def remove(state: BeladyState, tier: int, key: Key) -> None:
+    def remove(state: BeladyState, tier: int, key: Key, moving: bool = False) -> None:
         state.resident[tier].pop(key, None)
 
     def _top(state: BeladyState, tier: int) -> Key | None:

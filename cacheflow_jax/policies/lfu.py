@@ -272,7 +272,7 @@ def lfu(
             if key == state.current:
                 state.missing = False
 
-    def remove(state: LfuState, tier: int, key: Key) -> None:
+    def remove(state: LfuState, tier: int, key: Key, moving: bool = False) -> None:
         if state.tier_of is None:
             if not tier:  # it may be moving down to L2, the first block there: see _layer
                 state.gone = key
@@ -282,7 +282,7 @@ def lfu(
         if state.tier_of.get(key) != tier:
             return
         _unplace(state, tier, key)
-        if tier == state.num_tiers - 1 and key != state.current:
+        if tier == state.num_tiers - 1 and key != state.current and not moving:
             _forget(state, key)  # left the last tier, not promoted: it left the cache
         else:
             state.moving[key] = tier  # moved (demoted or promoted), or gone: see _settle

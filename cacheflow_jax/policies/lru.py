@@ -58,7 +58,7 @@ def lru(*, ttl: float | None = None) -> Policy:
         # A block moved between tiers keeps its last access time: a move is not an access.
         state.order[tier][key] = state.moving.pop(key, now) if state.moving else now
 
-    def remove(state: LruState, tier: int, key: Key) -> None:
+    def remove(state: LruState, tier: int, key: Key, moving: bool = False) -> None:
         last = state.order[tier].pop(key, None)
         if last is not None and state.ttl != math.inf:
             state.moving[key] = last
