@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cacheflow_jax._blocks import BudgetError
-from cacheflow_jax._tiers import AbstractTier, DeviceTier
+from cacheflow_jax._tiers import AbstractTier, DeviceTier, to_device
 from pallas_kernels import gather_lines, pack_lines
 
 DEVICE_LAYOUTS = ("arrays", "slab")
@@ -273,12 +273,8 @@ class SlabTier(AbstractTier):
         super().release(self.room(nbytes))
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
-        """The block as a device array (the array a miss hands to the caller); a copy always."""
-        if isinstance(value, jax.Array) and value.devices() == {self.device}:
-            return value
-        out = jax.device_put(value, self.device)
-        out.block_until_ready()  # the transfer has finished before the bytes count as resident
-        return out
+        """The block as a device array (the array a miss hands to the caller)."""
+        return to_device(value, self.device, owned=owned)
 
     def put_reserved(self, key: str, value: Any, nbytes: int) -> None:
         value = value if isinstance(value, jax.Array) else self.load(value)

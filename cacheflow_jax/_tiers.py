@@ -105,18 +105,34 @@ class DeviceTier(AbstractTier):
         self.device = device if device is not None else jax.devices()[0]
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
-        import jax
+        return to_device(value, self.device, owned=owned)
 
-        if isinstance(value, jax.Array) and value.devices() == {self.device}:
-            return value
-        # An owned host block may become the device array itself where the device's memory is
-        # host memory (the CPU backend, with a 64-byte aligned buffer, as `_fastread`'s are): an
-        # L2 -> L1 move is then free, as it is in fact. Elsewhere the bytes are copied anyway.
-        out = jax.device_put(value, self.device, may_alias=True if owned else None)
-        if out.dtype != value.dtype:  # a guard: callers check with check_device_dtype first
-            raise DtypeError(f"the device changed a block's dtype from {value.dtype} to {out.dtype}")
-        out.block_until_ready()  # the transfer has finished before the bytes count as resident
-        return out
+
+def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> jax.Array:
+    """``value`` as a ready array on ``device`` (the transfer has finished).
+
+    An ``owned`` host block (see `AbstractTier.load`) may become the device array itself where
+    the device's memory is host memory (the CPU backend, with a 64-byte aligned buffer, as
+    `_fastread`'s are): an L2 -> L1 move is then free, as it is in fact. A caller's array is
+    copied: the CPU backend aliases an aligned numpy array whatever ``may_alias`` says (jax
+    0.10), and the caller may write into it later.
+
+    Raises:
+      DtypeError: the device changed the dtype (callers check with `check_device_dtype` first).
+    """
+    import jax
+
+    if isinstance(value, jax.Array) and value.devices() == {device}:
+        return value
+    if not owned and device.platform == "cpu" and not isinstance(value, jax.Array):
+        import numpy as np
+
+        value = np.array(value, copy=True)
+    out = jax.device_put(value, device, may_alias=True if owned else None)
+    if out.dtype != value.dtype:
+        raise DtypeError(f"the device changed a block's dtype from {value.dtype} to {out.dtype}")
+    out.block_until_ready()  # the transfer has finished before the bytes count as resident
+    return out
 
 
 class HostTier(AbstractTier):

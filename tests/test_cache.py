@@ -361,6 +361,30 @@ def test_put_write_back_and_reopen(tmp_path):
     assert _bitwise(reopened.read("kv:prefix-1").result(), kv)
 
 
+def test_a_put_array_changed_afterwards_does_not_change_the_cached_block(tmp_path):
+    """The cache copies a caller's array (on the CPU backend it may alias only its own, aligned
+    buffers): writing into the array after the put changes nothing cached, in L1, L2 or L3."""
+    store, _ = _blocks_store(path=str(tmp_path / "s"))
+    cache = cfj.TieredCache(store, device_bytes=2 * 256, host_bytes=2 * 256)
+    buf = np.empty(64 + 16, np.float32)
+    offset = (-buf.ctypes.data % 64) // 4  # a 64-byte aligned array, which the CPU could alias
+    kv = buf[offset : offset + 64].reshape(1, 64)
+    kv[:] = np.arange(64, dtype=np.float32)
+    want = kv.copy()
+    cache.put("kv:a", kv)
+    kv[:] = -1.0
+    assert _bitwise(cache.get("kv:a"), want)
+    for i in range(8):  # until kv:a goes down to L2
+        cache.get(f"w@{i % 2},0")
+        if cache.tier_of("kv:a") == "host":
+            break
+    assert cache.tier_of("kv:a") == "host"
+    kv[:] = -2.0
+    assert _bitwise(cache.get("kv:a"), want)
+    cache.flush()
+    assert _bitwise(cfj.open_store(str(tmp_path / "s")).read("kv:a").result(), want)
+
+
 def test_serving_flushes_on_error_and_logs(tmp_path):
     store, data = _blocks_store(path=str(tmp_path / "s"))
     cache = cfj.TieredCache(store, device_bytes=4 * 256, host_bytes=4 * 256)
