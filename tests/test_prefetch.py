@@ -259,6 +259,7 @@ def test_prefetch_under_8_threads_keeps_budgets_and_bytes(tmp_path: Path) -> Non
     assert errors == [] and violations[0] == 0
     pf = cache.stats()["prefetch"]
     assert pf["issued"] > 0 and pf["used"] > 0, pf
+    assert pf["promoted"] > 0, pf  # the worker's L2 -> L1 swaps ran under the threads too
     assert not [t for t in threading.enumerate() if t.name == "cacheflow-prefetch"]
 
 
