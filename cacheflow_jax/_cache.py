@@ -257,6 +257,7 @@ class TieredCache:
         self._reads: collections.deque[str] = collections.deque()
         self._read_buffer = max(1, int(read_buffer))
         self._inflight: dict[str, _Transit] = {}
+        self._planner.watch_transit(self._inflight)  # a key on its way between tiers is not gone
         self._runtime: dict[str, BlockInfo] = {}  # runtime blocks put into this cache
         self._kinds: dict[str, str] = {}  # runtime block key -> access-log kind given to put
         # Runtime blocks: each put makes a new version; L3 holds version ``_durable[key]``.

@@ -353,6 +353,12 @@ class Planner:
         self._insert = policy.insert
         self._remove = policy.remove
 
+    def watch_transit(self, in_transit: dict) -> None:
+        """Hands the live cache's keys in transit to a policy state that asks for them (one with
+        an ``in_transit`` attribute, as `lfu`'s): see `Policy`."""
+        if hasattr(self.state, "in_transit"):
+            self.state.in_transit = in_transit
+
     def direct(self) -> tuple[Callable[[int], Any], Callable[[Any, str, str], bool] | None,
                               Callable[[int, str], None], Callable[[int, str, float, int], None]]:
         """``(victim, admit, remove, insert)``: the policy's own functions over its state, for a

@@ -203,6 +203,34 @@ def test_lfu_a_promotion_without_an_access_moves_a_block_and_keeps_its_standing(
     assert state.tier_of[key] == 0
 
 
+@pytest.mark.parametrize("move", ["demotion", "promotion"])
+def test_lfu_a_block_in_transit_is_not_taken_for_gone_by_another_access(move):
+    # Live, a move spans a transfer: another thread's access can come between the remove and the
+    # insert. The cache hands its keys in transit to the state (`Planner.watch_transit`); such
+    # a key keeps its segment (it was forgotten, and came back as a newcomer, 445 times in one
+    # pass of the demo with the MLP prefetcher).
+    rng = random.Random(7)
+    keys = [f"k{int(rng.paretovariate(0.9)) % 200}" for _ in range(3000)]
+    cache = _cache(lfu(ttl=None), _trace(keys), 20, 80)
+    for key in keys:
+        cache.access_sync(key, 0.0)
+    policy, state = cache._planner.policy, cache._planner.state
+    src, dst = (0, 1) if move == "demotion" else (1, 0)
+    key = next(k for k in state.protected if state.tier_of.get(k) == src)
+    other = next(k for k, t in state.tier_of.items() if t == 0 and k != key)
+    cache._inflight[key] = object()  # what the live cache holds while it copies the block
+    policy.remove(state, src, key, moving=move == "promotion")
+    policy.access(state, other, 0.0)  # a hit of another thread, before the insert
+    policy.insert(state, dst, key, 0.0, 1)
+    assert key in state.protected and key not in state.ghosts
+    assert state.tier_of[key] == dst
+    del cache._inflight[key]
+    # Gone for good (never inserted), it is forgotten at the next access as before.
+    policy.remove(state, 0, other)
+    policy.access(state, key, 0.0)
+    assert other in state.ghosts and other not in state.tier_of
+
+
 @pytest.mark.parametrize("budget", [200, 1500])
 def test_lfu_two_tiers_of_sized_blocks_miss_like_one_cache_of_the_sum(budget):
     # Sizes 1-16 bytes: whole blocks leave each tier, so two tiers cannot hold exactly what one

@@ -27,6 +27,11 @@ class Policy(NamedTuple):
     prefetch worker's layer-ahead step) is ``remove(1, key, moving=True)`` then ``insert(0, key)``:
     it moves, it does not leave the cache.
 
+    In the live cache a move spans a transfer, and another thread's access can come between the
+    ``remove`` and the ``insert``. A state with an ``in_transit`` attribute gets the cache's map of
+    keys in transit there (`Planner.watch_transit`): a key removed from a tier and still in it is
+    on its way, not gone. Replay moves blocks at once and leaves it empty.
+
     Attributes:
       name: short name used in stats and the CLI.
       init: ``init(num_tiers) -> state``.

@@ -116,6 +116,9 @@ class LfuState:
     # Tier placement, from the first block in L2 on (None before: one tier).
     tier_of: dict | None = None  # resident key -> tier
     moving: dict | None = None  # key -> tier it left, until it is inserted again
+    # The live cache's keys in transit (`Policy` docs): a moving key in it is still on its way
+    # to a tier, and is not taken for gone by the next access. Empty in replay (no transfers).
+    in_transit: dict | tuple = ()
     heaps: list | None = None  # per tier: (score, key) lower bounds, a lazy min-heap
     sims: MiniSims | None = None  # the shadows (adaptive only)
     pending: Key | None = None  # a sampled miss, stepped through the shadows at its insert
@@ -599,7 +602,10 @@ def _coldest(state: LfuState, tier: int) -> Key | None:
 
 
 def _settle(state: LfuState) -> None:
-    """Blocks that left a tier during earlier accesses and were not put back have left."""
+    """Blocks that left a tier during earlier accesses and were not put back have left, unless
+    the live cache still moves them (another thread's access can come before the insert)."""
+    transit = state.in_transit
     for key in list(state.moving):
-        del state.moving[key]
-        _forget(state, key)
+        if key not in transit:
+            del state.moving[key]
+            _forget(state, key)
