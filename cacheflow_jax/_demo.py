@@ -14,9 +14,13 @@ What it does, in order:
    records their access log. Unless ``predictor`` names a checkpoint, trains the MLP predictor
    on that log (``python -m training.main``, a subprocess: the library never imports
    ``training/``), with small settings (`TRAIN_ARGS`).
-4. Serves ``warmup + requests`` steps of the second half five times, each after dropping the
-   page cache of the checkpoint's files (``POSIX_FADV_DONTNEED``), so the first L3 read of each
-   chunk is really cold; the first ``warmup`` steps (jit compilation) are not measured:
+4. Serves ``warmup + requests`` steps of the second half five ways, the rows taking turns of
+   `SEGMENT` steps (a slow spell of a shared machine then falls on every row alike, where whole
+   passes one after another put it on whichever row ran then). Each row but ``all-resident``
+   reads its own copy of the checkpoint's files (under ``rows/`` beside the checkpoint), whose
+   page cache is dropped (``POSIX_FADV_DONTNEED``) once before the first turn, so the first L3
+   read of each chunk in a row is really cold, as if the row ran alone. The first ``warmup``
+   steps (jit compilation) are not measured:
 
    * ``baseline``: each layer reads its routed experts' chunks from TensorStore
      (``read_many``) and ``device_put``\\ s them; nothing is kept between steps;
@@ -25,7 +29,9 @@ What it does, in order:
      the cache's prefetch worker is fed each layer's ``get_many`` and, while the layer computes,
      loads the blocks the predictor expects next (layer-ahead, as MoE offloading systems such as
      ProMoE and MoE-Infinity do). Both predictors first observe the warm-up's accesses, so each
-     starts serving with the same history; the cache's clock continues the log's;
+     starts serving with the same history; the cache's clock continues the log's and runs only
+     during the row's turns (`ServedPass.elapsed`); after each turn the worker's last loads land
+     before the next row starts;
    * ``all-resident``: every expert is put on the device once up front (the limit).
 
    The dense weights (embedding, norms, routers) are on the device in every pass.
@@ -38,6 +44,7 @@ claims; on a CPU "device" memory is host memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -78,6 +85,7 @@ COLUMNS = (
 )
 # `python -m training.main` settings for the MLP trained on the warm-up log: a window of two
 # layers' experts (what the layer-ahead prefetcher needs); about 10 s on 2 cores.
+SEGMENT = 10  # steps each row serves in its turn
 TRAIN_ARGS = ("--epochs", "12", "--history", "4", "--lookahead", "4", "--eval-fraction", "0.2")
 
 
@@ -323,6 +331,86 @@ class PassResult:
     routes: np.ndarray  # (steps, layers, top_k) int32
 
 
+class ServedPass:
+    """One row's serving, a segment of steps at a time: per layer, route, ``fetch`` the routed
+    experts, compute. The demo runs its rows' segments in turn (`SEGMENT`), so that a slow spell
+    of the machine falls on every row alike.
+
+    Args:
+      model: the model.
+      tokens: one device array of byte tokens per step.
+      fetch: returns the blocks of the given keys on the device, in order.
+      warmup: leading steps that are not measured.
+      top_k: experts per layer and step.
+      on_measure: called once, before the first measured step.
+      tick: called after each step.
+    """
+
+    def __init__(
+        self,
+        model: DemoModel,
+        tokens: Sequence[jax.Array],
+        fetch: Callable[[list[str]], list[jax.Array]],
+        *,
+        warmup: int,
+        top_k: int,
+        on_measure: Callable[[], None] = lambda: None,
+        tick: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.model, self.tokens, self.fetch = model, tokens, fetch
+        self.warmup, self.top_k = warmup, top_k
+        self.on_measure, self.tick = on_measure, tick
+        self.latencies: list[float] = []
+        self.routes = np.empty((len(tokens), model.config.layers, top_k), np.int32)
+        self.next = 0  # the next step to serve
+        self.active = 0.0  # seconds spent serving so far (the pass's own clock)
+        self._since: float | None = None  # when the running segment started
+        self._digest = hashlib.blake2b(digest_size=16)
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.tokens)
+
+    def elapsed(self) -> float:
+        """Seconds this pass has been serving: its cache's clock, which stands still while the
+        other rows run (the predictors' time features see one stream)."""
+        since = self._since
+        return self.active + (0.0 if since is None else time.monotonic() - since)
+
+    def run(self, steps: int) -> None:
+        """Serves the next ``steps`` steps (fewer at the end)."""
+        model, top_k, fetch = self.model, self.top_k, self.fetch
+        layers = list(zip(model.norms, model.routers, model.experts))
+        self._since = time.monotonic()
+        try:
+            for i in range(self.next, min(self.next + steps, len(self.tokens))):
+                if i == self.warmup:
+                    self.on_measure()
+                t0 = time.perf_counter()
+                x = embed(model.table, self.tokens[i])
+                for j, (norm, router, experts) in enumerate(layers):
+                    h, selected, gates = route(x, norm, router, top_k=top_k)
+                    ids = np.asarray(selected)  # waits for the layer before: routing needs it
+                    leaves = [experts[e] for e in ids]
+                    blocks = iter(fetch([k for leaf in leaves for k in leaf.keys]))
+                    w = tuple(leaf.assemble([next(blocks) for _ in leaf.keys]) for leaf in leaves)
+                    x = experts_layer(x, h, gates, w)
+                    self.routes[i, j] = ids
+                x.block_until_ready()
+                if i >= self.warmup:
+                    self.latencies.append(time.perf_counter() - t0)
+                self._digest.update(np.asarray(x).tobytes())
+                self.next = i + 1
+                self.tick()
+        finally:
+            self.active += time.monotonic() - self._since
+            self._since = None
+
+    def result(self) -> PassResult:
+        """The measured steps' latencies, the outputs' digest and the routes."""
+        return PassResult(self.latencies, self._digest.hexdigest(), self.routes)
+
+
 def serve_pass(
     model: DemoModel,
     tokens: Sequence[jax.Array],
@@ -333,43 +421,13 @@ def serve_pass(
     on_measure: Callable[[], None] = lambda: None,
     tick: Callable[[], None] = lambda: None,
 ) -> PassResult:
-    """Serves every step of ``tokens``: per layer, route, ``fetch`` the routed experts, compute.
-
-    Args:
-      model: the model.
-      tokens: one device array of byte tokens per step.
-      fetch: returns the blocks of the given keys on the device, in order.
-      warmup: leading steps that are not measured.
-      top_k: experts per layer and step.
-      on_measure: called once, before the first measured step.
-      tick: called after each step.
-
-    Returns:
-      The `PassResult`; only the measured steps' latencies.
-    """
-    latencies = []
-    digest = hashlib.blake2b(digest_size=16)
-    routes = np.empty((len(tokens), model.config.layers, top_k), np.int32)
-    layers = list(zip(model.norms, model.routers, model.experts))
-    for i, toks in enumerate(tokens):
-        if i == warmup:
-            on_measure()
-        t0 = time.perf_counter()
-        x = embed(model.table, toks)
-        for j, (norm, router, experts) in enumerate(layers):
-            h, selected, gates = route(x, norm, router, top_k=top_k)
-            ids = np.asarray(selected)  # waits for the layer before: routing needs its output
-            leaves = [experts[e] for e in ids]
-            blocks = iter(fetch([k for leaf in leaves for k in leaf.keys]))
-            w = tuple(leaf.assemble([next(blocks) for _ in leaf.keys]) for leaf in leaves)
-            x = experts_layer(x, h, gates, w)
-            routes[i, j] = ids
-        x.block_until_ready()
-        if i >= warmup:
-            latencies.append(time.perf_counter() - t0)
-        digest.update(np.asarray(x).tobytes())
-        tick()
-    return PassResult(latencies, digest.hexdigest(), routes)
+    """Serves every step of ``tokens`` in one go (`ServedPass`); only the measured steps'
+    latencies are kept."""
+    served = ServedPass(
+        model, tokens, fetch, warmup=warmup, top_k=top_k, on_measure=on_measure, tick=tick
+    )
+    served.run(len(tokens))
+    return served.result()
 
 
 # --------------------------------------------------------------------------------------------
@@ -542,8 +600,9 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
     log(
         f"demo: {settings.requests} measured steps (+{settings.warmup} warm-up) per pass, "
         f"{settings.record} recorded warm-up steps; L1 budget {device_bytes / MiB:.1f} MiB, "
-        f"L2 {host_bytes / MiB:.1f} MiB of {expert_total / MiB:.1f} MiB of experts; page cache "
-        "dropped before each pass"
+        f"L2 {host_bytes / MiB:.1f} MiB of {expert_total / MiB:.1f} MiB of experts; the rows "
+        f"take turns of {SEGMENT} steps, each reading its own copy of the checkpoint's files "
+        "(page cache dropped before the first turn)"
     )
     bar = tqdm(
         total=settings.record + 5 * steps,
@@ -571,46 +630,70 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
         gap = (records[-1]["t"] - records[0]["t"]) / max(len(records) - 1, 1) if records else 0.0
         t_end = (records[-1]["t"] if records else 0.0) + gap
 
-        # baseline: on-demand TensorStore reads, no cache.
-        bar.set_description("baseline")
+        # all-resident: every expert on the device up front, read from the original files.
+        bar.set_description("loading")
+        keys = model.expert_keys
         store = open_store(step_dir)
-        drop_page_cache(step_dir)
+        resident = dict(
+            zip(keys, (jax.device_put(f.result(), device) for f in store.read_many(keys)))
+        )
+        jax.block_until_ready(list(resident.values()))
+        # Each other row reads its own copy of the checkpoint's files, whose page cache is
+        # dropped once, here: the first L3 read of each chunk in a row is cold, as if the row ran
+        # alone, while the rows take turns.
+        copies = {name: _row_copy(step_dir, run_dir / "rows" / name) for name in ROWS[:-1]}
+        for path in copies.values():
+            drop_page_cache(path)
+        # baseline: on-demand TensorStore reads, no cache.
+        base_store = open_store(copies["baseline"])
 
         def read_direct(keys: list[str]) -> list[jax.Array]:
-            return [jax.device_put(f.result(), device) for f in store.read_many(keys)]
-
-        results["baseline"] = serve_pass(model, serve_dev, read_direct, **common)
-        rows.append(_row("baseline", results["baseline"].latencies))
+            return [jax.device_put(f.result(), device) for f in base_store.read_many(keys)]
 
         prefetchers = {
             "cacheflow": None,
             "cacheflow+markov": primed(predictors.markov(), records, k=k),
             "cacheflow+mlp": None if mlp is None else primed(mlp, records, k=k),
         }
-        for name, prefetcher in prefetchers.items():
-            bar.set_description(name)
-            drop_page_cache(step_dir)
-            start = time.monotonic()
-            cache = new_cache(prefetcher, clock=lambda s=start: t_end + time.monotonic() - s)
-            access_log = settings.access_log if name == "cacheflow" else None
-            with cache, serving(cache, access_log=access_log) as session:
-                results[name] = serve_pass(
+        passes = {"baseline": ServedPass(model, serve_dev, read_direct, **common)}
+        caches = {}
+        with contextlib.ExitStack() as stack:
+            for name, prefetcher in prefetchers.items():
+                # The cache's clock continues the warm-up log's and runs only while its row
+                # serves, so the predictors' time features see one stream.
+                served: list[ServedPass] = []
+                cache = stack.enter_context(TieredCache(
+                    open_store(copies[name]),
+                    device_bytes=device_bytes,
+                    host_bytes=host_bytes,
+                    block_bytes=model.largest,  # one block per expert, whatever the budgets
+                    prefetcher=prefetcher,
+                    prefetch=pf_settings if prefetcher is not None else None,
+                    clock=lambda s=served: t_end + (s[0].elapsed() if s else 0.0),
+                ))  # fmt: skip
+                access_log = settings.access_log if name == "cacheflow" else None
+                session = stack.enter_context(serving(cache, access_log=access_log))
+                served.append(ServedPass(
                     model, serve_dev, session.get_many, on_measure=cache.reset_counters, **common
-                )
-            rows.append(_row(name, results[name].latencies, cache.stats()))
-
-        # all-resident: every expert on the device up front.
-        bar.set_description("all-resident")
-        drop_page_cache(step_dir)
-        keys = model.expert_keys
-        resident = dict(
-            zip(keys, (jax.device_put(f.result(), device) for f in store.read_many(keys)))
-        )
-        jax.block_until_ready(list(resident.values()))
-        results["all-resident"] = serve_pass(
-            model, serve_dev, lambda ks: [resident[k] for k in ks], **common
-        )
-        rows.append(_row("all-resident", results["all-resident"].latencies, resident=True))
+                ))  # fmt: skip
+                passes[name], caches[name] = served[0], cache
+            passes["all-resident"] = ServedPass(
+                model, serve_dev, lambda ks: [resident[k] for k in ks], **common
+            )
+            # The rows take turns of SEGMENT steps: a slow spell of a shared machine falls on
+            # all of them, not on whichever row happened to run then.
+            while not all(p.done for p in passes.values()):
+                for name, served_pass in passes.items():
+                    bar.set_description(name)
+                    served_pass.run(SEGMENT)
+                    if name in caches:
+                        _quiet(caches[name])  # its prefetch worker's last loads land now
+        results = {name: served_pass.result() for name, served_pass in passes.items()}
+        rows = [
+            _row("baseline", results["baseline"].latencies),
+            *(_row(name, results[name].latencies, caches[name].stats()) for name in caches),
+            _row("all-resident", results["all-resident"].latencies, resident=True),
+        ]
         resident.clear()
     finally:
         bar.close()
@@ -653,6 +736,34 @@ def run_demo(settings: DemoSettings, *, log: Callable[[str], None] = print) -> d
     }
     return {"rows": rows, "setup": setup}
 
+
+
+def _row_copy(step_dir: Path, dst: Path) -> Path:
+    """A copy of the checkpoint's files for one row (kept while it matches, else made again)."""
+    want = sorted(
+        (str(f.relative_to(step_dir)), f.stat().st_size) for f in step_dir.rglob("*") if f.is_file()
+    )
+    if dst.is_dir():
+        have = sorted(
+            (str(f.relative_to(dst)), f.stat().st_size) for f in dst.rglob("*") if f.is_file()
+        )
+        if have == want:
+            return dst
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(step_dir, dst)
+    return dst
+
+
+def _quiet(cache: Any, timeout: float = 1.0) -> None:
+    """Waits (up to ``timeout`` s) until the cache's prefetch worker has nothing left to do, so
+    that its work does not run into the next row's turn."""
+    worker = cache._pf_worker
+    end = time.monotonic() + timeout
+    while worker is not None and time.monotonic() < end:
+        if worker.idle and not worker.feed and not worker.arrived and not cache._pf_inflight:
+            return
+        time.sleep(0.0005)
 
 def _row(
     name: str, latencies: Sequence[float], stats: dict | None = None, *, resident: bool = False

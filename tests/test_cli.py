@@ -119,6 +119,11 @@ def test_demo_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         pf = by[name]["prefetch"]
         assert pf["enabled"] and 1 <= pf["predictions"] <= (12 + 2) * 2
     assert "built" in err and "training the MLP predictor" in err and "trained in" in err
+    # 14 steps are two turns of each row (SEGMENT 10): interleaved rows still serve the same
+    # outputs and routes bitwise, each from its own copy of the checkpoint's files.
+    assert "outputs differ" not in err
+    copies = {p.name for p in next((tmp_path / "w").glob("*/rows")).iterdir()}
+    assert copies == set(DEMO_ROWS[:-1])
     assert f"latency CDF saved to {plot}" in err and plot.stat().st_size > 0
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == 14 * 2 * 2  # (12 + 2 warm-up) steps x 2 layers x top-2 experts
