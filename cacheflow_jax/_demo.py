@@ -415,17 +415,11 @@ def serve_pass(
     model: DemoModel,
     tokens: Sequence[jax.Array],
     fetch: Callable[[list[str]], list[jax.Array]],
-    *,
-    warmup: int,
-    top_k: int,
-    on_measure: Callable[[], None] = lambda: None,
-    tick: Callable[[], None] = lambda: None,
+    **options: Any,
 ) -> PassResult:
-    """Serves every step of ``tokens`` in one go (`ServedPass`); only the measured steps'
-    latencies are kept."""
-    served = ServedPass(
-        model, tokens, fetch, warmup=warmup, top_k=top_k, on_measure=on_measure, tick=tick
-    )
+    """Serves every step of ``tokens`` in one go; ``options`` are `ServedPass`'s keywords
+    (``warmup`` and ``top_k`` required). Only the measured steps' latencies are kept."""
+    served = ServedPass(model, tokens, fetch, **options)
     served.run(len(tokens))
     return served.result()
 

@@ -176,17 +176,23 @@ def test_lfu_two_tiers_of_unit_blocks_are_exactly_one_cache_of_the_sum(window):
     assert two.stats()["hits"]["host"] > 0
 
 
+def _skewed_two_tier_lfu() -> TieredCache:
+    """`lfu` over L1 20 + L2 80 unit blocks after 3,000 skewed accesses (every segment filled)."""
+    rng = random.Random(7)
+    keys = [f"k{int(rng.paretovariate(0.9)) % 200}" for _ in range(3000)]
+    cache = _cache(lfu(ttl=None), _trace(keys), 20, 80)
+    for key in keys:
+        cache.access_sync(key, 0.0)
+    return cache
+
+
 @pytest.mark.parametrize("segment", ["window", "probation", "protected"])
 def test_lfu_a_promotion_without_an_access_moves_a_block_and_keeps_its_standing(segment):
     # The prefetch worker promotes an L2 block the predictor expects (no access): for the one
     # cache that spans both tiers nothing changed, so the block keeps its segment and nothing
     # is forgotten (dropping it from the last tier as if it left the cache put it back as a
     # newcomer in the window, whose overflow then pushed a block out).
-    rng = random.Random(7)
-    keys = [f"k{int(rng.paretovariate(0.9)) % 200}" for _ in range(3000)]
-    cache = _cache(lfu(ttl=None), _trace(keys), 20, 80)
-    for key in keys:
-        cache.access_sync(key, 0.0)
+    cache = _skewed_two_tier_lfu()
     policy, state = cache._planner.policy, cache._planner.state
     in_l2 = [k for k in getattr(state, segment) if state.tier_of.get(k) == 1]
     assert in_l2, f"no L2 block in {segment}"
@@ -210,11 +216,7 @@ def test_lfu_a_block_in_transit_is_not_taken_for_gone_by_another_access(move):
     # a key keeps its segment (in a pass of the demo with the MLP prefetcher, the next access
     # settled 445 moving keys, nearly all of them on their way between tiers: they came back as
     # newcomers; the pass wasted about 30 prefetched blocks, the only ones really gone).
-    rng = random.Random(7)
-    keys = [f"k{int(rng.paretovariate(0.9)) % 200}" for _ in range(3000)]
-    cache = _cache(lfu(ttl=None), _trace(keys), 20, 80)
-    for key in keys:
-        cache.access_sync(key, 0.0)
+    cache = _skewed_two_tier_lfu()
     policy, state = cache._planner.policy, cache._planner.state
     src, dst = (0, 1) if move == "demotion" else (1, 0)
     key = next(k for k in state.protected if state.tier_of.get(k) == src)
