@@ -287,6 +287,7 @@ class TieredCache:
         self._pf_replay: _ReplayPrefetch | None = None
         self._pf_inflight = 0  # bytes of prefetch loads issued and not installed
         self._pf_limit = 0
+        self._pf_reads = ReadGate()  # the live worker's L3 reads earn their rate
         self._pf_promote = False  # the live worker moves L2 guesses up to L1
         if prefetcher is not None:
             self._setup_prefetch(prefetcher, settings, largest)
@@ -1480,6 +1481,8 @@ class TieredCache:
         pf = self._pf
         pf[name] += 1
         pf[name + "_bytes"] += nbytes
+        if name in _READ_OUTCOMES:
+            self._pf_reads.outcome(name == "timely")
 
     def _pf_count_use(self, nbytes: int, *, late: bool) -> None:
         """Under the lock: a prefetched block was asked for (timely: resident; late: loading)."""
@@ -1535,6 +1538,8 @@ class TieredCache:
                 return "skip"  # a demand get raises DtypeError for it; a prefetch must not
             if self._pf_inflight + info.nbytes > self._pf_limit:
                 return "full"
+            if not self._pf_reads.allows():
+                return "skip"
             self._inflight[key] = transit = _Transit(prefetch=True)
             transit.rank = rank
             self._pf_inflight += info.nbytes
@@ -1714,6 +1719,11 @@ class TieredCache:
             prefetch["disabled_reason"] = scheduler.disabled
             prefetch["predictions"] = scheduler.predictions
             prefetch["predict_us"] = _ratio(scheduler.predict_seconds * 1e6, scheduler.predictions)
+            gate = self._pf_reads
+            prefetch["read_gate"] = {
+                "open": gate.good >= gate.bad, "timely": round(gate.good, 1),
+                "other": round(gate.bad, 1), "held_back": gate.shut,
+            }  # fmt: skip
         if admission is not None:
             prefetch["admission"] = admission
         return {
@@ -1945,6 +1955,43 @@ def _to_host(value: Any) -> np.ndarray:
     import numpy as np
 
     return np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else np.asarray(value)
+
+
+_READ_OUTCOMES = frozenset(("timely", "late", "wasted", "dropped"))
+
+
+class ReadGate:
+    """Whether the live worker may start another L3 prefetch read: while its recent loads were
+    used in time at least as often as they came late, went unused or were dropped.
+
+    A timely load saves a demand read; the others cost a read of the store and the cores that
+    the demand reads and the model need (replay counts no such cost, and has no gate). Counts
+    are halved past `HALF` outcomes, so the gate follows a stream that changes; while it is shut,
+    one read in `EXPLORE` goes ahead so that the rate is still measured.
+    """
+
+    PRIOR = 2.0  # timely loads assumed at first: a cold cache reads
+    HALF = 256.0
+    EXPLORE = 16
+
+    __slots__ = ("good", "bad", "shut")
+
+    def __init__(self) -> None:
+        self.good, self.bad, self.shut = self.PRIOR, 0.0, 0
+
+    def outcome(self, timely: bool) -> None:
+        if timely:
+            self.good += 1.0
+        else:
+            self.bad += 1.0
+        if self.good + self.bad > self.HALF:
+            self.good, self.bad = self.good / 2, self.bad / 2
+
+    def allows(self) -> bool:
+        if self.good >= self.bad:
+            return True
+        self.shut += 1
+        return self.shut % self.EXPLORE == 0
 
 
 def _ratio(a: float, b: float) -> float:

@@ -707,3 +707,48 @@ def test_foresight_counts_what_left_and_what_came_back_uncovered_per_byte() -> N
     f.accessed("c", None)  # back on a demand access: an uncovered return of a policy victim
     assert f.returned == [1.0, 0.0] and f.left_bytes[0] == 8.0
     assert f.rate(0) == 1.0 / (8.0 + f.PRIOR * 8.0) and f.rate(1) == 0.0 and f.first
+
+
+class _Next:
+    """Proposes the key ``offset`` places after the last one accessed (a loop of ``n`` keys)."""
+
+    def __init__(self, n: int, offset: int) -> None:
+        self.n, self.offset, self.last = n, offset, 0
+
+    def observe(self, access) -> None:
+        key = access["key"] if isinstance(access, dict) else access.key
+        self.last = int(key[2:-2])
+
+    def predict(self, k: int) -> list[tuple[str, float]]:
+        return [(_key((self.last + self.offset) % 64), 0.9)]
+
+    def reset(self) -> None:
+        self.last = 0
+
+
+def _reads_for(tmp_path: Path, offset: int) -> dict:
+    """L3 prefetch reads over a loop of 16 keys (L1 4 blocks, no L2), one access at a time."""
+    store, data = _store(tmp_path)
+    cache = cfj.TieredCache(store, device_bytes=4 * KIB, host_bytes=0, policy="lru",
+                            prefetcher=_Next(16, offset),
+                            prefetch=cfj.PrefetchSettings(k=1, adaptive=False))  # fmt: skip
+    with cfj.serving(cache) as s:
+        worker = cache._pf_worker
+        for i in range(240):
+            assert np.array_equal(np.asarray(s.get(_key(i % 16))), data[i % 16 : i % 16 + 1])
+            end = time.monotonic() + 5
+            while not (worker.idle and not worker.feed and not worker.arrived
+                       and not cache._pf_inflight):  # fmt: skip
+                assert time.monotonic() < end, "the prefetch worker did not settle"
+                time.sleep(0.001)
+    return cache.stats()["prefetch"]
+
+
+def test_l3_prefetch_reads_earn_their_rate(tmp_path: Path) -> None:
+    """Guesses that are never used stop costing reads (one in ReadGate.EXPLORE goes on, to keep
+    measuring); guesses used in time keep the reads going."""
+    wrong = _reads_for(tmp_path / "wrong", offset=32)  # keys 32..47: never accessed
+    right = _reads_for(tmp_path / "right", offset=1)  # the next key of the loop
+    assert right["timely"] > 150 and right["issued"] > 150, right
+    assert wrong["used"] == 0 and wrong["wasted"] > 0, wrong
+    assert wrong["issued"] < 40, wrong  # without the gate: one read per access (240)
