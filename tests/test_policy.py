@@ -152,20 +152,28 @@ def test_two_tiers_hold_what_one_tier_of_the_sum_holds(name):
         assert abs(two["miss_ratio"] - one["miss_ratio"]) <= 0.01
 
 
+def _phases(*, seed: int, phases: int, scan: int, loop: int, loops: int, hot: int,
+            per: int) -> list[str]:
+    """Keys in phases of four: skewed reuse of ``hot`` keys (``per`` accesses), a scan of ``scan``
+    new keys, skewed reuse again, a loop of ``loop`` keys ``loops`` times."""
+    rng = random.Random(seed)
+    keys: list[str] = []
+    for phase in range(phases):
+        if phase % 4 == 1:
+            keys += [f"s{phase}_{i}" for i in range(scan)]
+        elif phase % 4 == 3:
+            keys += [f"l{i}" for i in range(loop)] * loops
+        else:
+            keys += [f"k{int(rng.paretovariate(0.9)) % hot}" for _ in range(per)]
+    return keys
+
+
 @pytest.mark.parametrize("window", [None, 0.0, 0.05, 0.2])
 def test_lfu_two_tiers_of_unit_blocks_are_exactly_one_cache_of_the_sum(window):
     # Skewed reuse with a scan and a loop mixed in (so the window moves, the duel rejects and
     # promotes, and the shadows jump): at every access L1 + L2 hold exactly what one tier of
     # their summed budget holds, from the first block L1 gives up to L2 on.
-    rng = random.Random(11)
-    keys = []
-    for phase in range(12):
-        if phase % 4 == 1:
-            keys += [f"s{phase}_{i}" for i in range(150)]
-        elif phase % 4 == 3:
-            keys += [f"l{i}" for i in range(130)] * 3
-        else:
-            keys += [f"k{int(rng.paretovariate(0.9)) % 400}" for _ in range(600)]
+    keys = _phases(seed=11, phases=12, scan=150, loop=130, loops=3, hot=400, per=600)
     trace = _trace(keys)
     two = _cache(lfu(window=window, ttl=None), trace, 20, 80)
     one = _cache(lfu(window=window, ttl=None), trace, 100, 0)
@@ -213,9 +221,8 @@ def test_lfu_a_promotion_without_an_access_moves_a_block_and_keeps_its_standing(
 def test_lfu_a_block_in_transit_is_not_taken_for_gone_by_another_access(move):
     # Live, a move spans a transfer: another thread's access can come between the remove and the
     # insert. The cache hands its keys in transit to the state (`Planner.watch_transit`); such
-    # a key keeps its segment (in a pass of the demo with the MLP prefetcher, the next access
-    # settled 445 moving keys, nearly all of them on their way between tiers: they came back as
-    # newcomers; the pass wasted about 30 prefetched blocks, the only ones really gone).
+    # a key keeps its segment (in the demo with the MLP prefetcher the serving loop's accesses
+    # settled the worker's moves this way, and the blocks came back as newcomers).
     cache = _skewed_two_tier_lfu()
     policy, state = cache._planner.policy, cache._planner.state
     src, dst = (0, 1) if move == "demotion" else (1, 0)
@@ -239,15 +246,7 @@ def test_lfu_two_tiers_of_sized_blocks_miss_like_one_cache_of_the_sum(budget):
     # Sizes 1-16 bytes: whole blocks leave each tier, so two tiers cannot hold exactly what one
     # holds, but each block L2 gives up is one cache's next loser, so the miss ratios stay close
     # (L2 giving up its oldest probation block instead missed .006 and .020 more here).
-    rng = random.Random(3)
-    keys = []
-    for phase in range(20):
-        if phase % 4 == 1:
-            keys += [f"s{phase}_{i}" for i in range(300)]
-        elif phase % 4 == 3:
-            keys += [f"l{i}" for i in range(260)] * 2
-        else:
-            keys += [f"k{int(rng.paretovariate(0.9)) % 800}" for _ in range(1500)]
+    keys = _phases(seed=3, phases=20, scan=300, loop=260, loops=2, hot=800, per=1500)
     sizes = {k: random.Random(k).randint(1, 16) for k in set(keys)}
     trace = _trace(keys, sizes, timed=False)
     one = replay(trace, device_bytes=budget, host_bytes=0, policy=lfu(ttl=None))
