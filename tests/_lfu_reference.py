@@ -27,7 +27,8 @@ class ReferenceLfu:
         self.budget = budget
         self.rate = 0.0 if half_life == math.inf else 1.0 / half_life
         self.adaptive = window is None
-        self.share = START if window is None else window
+        self.share = 1.0 if window is None else window  # adaptive: LRU until the first reuse
+        self.cold = self.adaptive
         self.least = 0.0
         self.tick = 0
         self.window: list[str] = []  # oldest first
@@ -100,6 +101,9 @@ class ReferenceLfu:
                 if self.adaptive:
                     self.vote(ghost)
             self.before[key] = old
+        if self.cold and (hit or ghost is not None):  # the first reuse: the share becomes START
+            self.cold = False
+            self.set_share(START)
         sampled = self.shadows and self.sampled(key)
         if hit and sampled:
             self.step_shadows(key, self.size[key], True, 0)
@@ -140,10 +144,14 @@ class ReferenceLfu:
             self.shadow_hits = [0] * len(self.shadows)
             self.live_hits = 0
             self.least = share if share > self.share else 0.0
-            self.share = share
-            while (len(self.window) > 1 and self.bytes_of(self.window[1:])
-                   >= share * self.bytes_of(self.resident())):
-                self.to_probation(self.window[0])
+            self.set_share(share)
+
+    def set_share(self, share: float) -> None:
+        """The window's share becomes ``share``; its overflow goes to probation, oldest first."""
+        self.share = share
+        while (len(self.window) > 1 and self.bytes_of(self.window[1:])
+               >= share * self.bytes_of(self.resident())):
+            self.to_probation(self.window[0])
 
     def to_probation(self, key: str) -> None:
         self.window.remove(key)

@@ -324,7 +324,9 @@ def test_margin_votes_move_the_window_toward_the_segment_that_was_short():
         policy.access(state, key, 0.0)
         policy.insert(state, 0, key, 0.0, 10)
     assert state.resident == 100
+    policy.access(state, "j", 0.0)  # the first reuse: the share leaves LRU for START
     share = state.share
+    assert share == 0.01 and list(state.window) == ["j"]
     policy.remove(state, 0, next(iter(state.window)))  # leaves the window: window_out grows
     gone = next(reversed(state.ghosts))
     policy.access(state, gone, 0.0)  # back within 2% of the bytes: the window was a step short
@@ -334,6 +336,26 @@ def test_margin_votes_move_the_window_toward_the_segment_that_was_short():
     policy.remove(state, 0, victim)
     policy.access(state, victim, 0.0)  # a main ghost back at once: main was a step short
     assert state.share == pytest.approx(share)
+
+
+def test_lfu_is_lru_until_the_first_reuse_then_keeps_what_it_holds():
+    # A trace that begins with a scan gives no evidence of what to protect. A zig-zag turns back
+    # on the blocks it has just scanned: lfu holds them, as LRU does, and hits them all.
+    budget = 50
+    scan = [f"k{i}" for i in range(200)]
+    size_of = dict.fromkeys(scan, 1)
+    policy = lfu(ttl=None)
+    hits, state = _drive(policy, scan + scan[::-1][:budget], size_of, budget)
+    assert not any(hits[:200]) and all(hits[200:])
+    assert not state.cold and state.share < 1.0
+    # A loop over the same scan: its first key comes back from a ghost; main keeps the blocks it
+    # held (the last 50 of the scan, less the window) and hits them on every pass, as LIRS does.
+    hits, state = _drive(lfu(ttl=None), scan * 4, size_of, budget)
+    per_pass = [sum(hits[i:i + 200]) for i in range(0, 800, 200)]
+    assert per_pass[0] == 0 and min(per_pass[1:]) >= budget - 2, per_pass
+    before = policy.init(1)
+    assert before.cold and before.share == 1.0
+    assert not lfu(window=0.2).init(1).cold  # a fixed share is never LRU at first
 
 
 def test_ghosts_and_scores_are_bounded_and_byte_counts_exact():
@@ -384,7 +406,8 @@ def test_names_settings_and_errors():
             lfu(**bad)
     with pytest.raises(ValueError, match="unknown policy 'fifo'.*lfu"):
         get_policy("fifo")
-    assert lfu().describe(lfu().init(2))["window_now"] == 0.01
+    described = lfu().describe(lfu().init(2))
+    assert described["window_now"] == 1.0 and described["cold"]  # LRU until the first reuse
     assert lru(ttl=5).describe(lru(ttl=5).init(1)) == {"name": "lru", "ttl": 5.0}
 
 

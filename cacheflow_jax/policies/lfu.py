@@ -14,6 +14,9 @@ The idea.
   part of itself; with a long one it is LFU's. A scan's blocks have no past and never get in.
 * Evicted keys are remembered as *ghosts* (their scores, segment and eviction time) up to 8x the
   resident bytes, so a key back from a short absence is judged on its history.
+* Until the first reuse (a hit, or a key back from a ghost) the share is 1 (LRU): nothing yet
+  says what to protect, and a trace that turns back on a scan wants its recent blocks. At the
+  first reuse the share drops to 1% (the window's overflow becomes main, in LRU order).
 * The window's share of the bytes moves online between 0 (frequency-protected) and 1 (plain LRU):
   - a miss on a ghost that left its segment (window or main) within the last 2% of the cache's
     bytes evicted from that segment says that segment was a step too small: the share moves one
@@ -37,9 +40,9 @@ The idea.
   one tier holds; with sizes a demotion can need more room in L2 than the loser frees, and L2
   then gives up that cache's next loser.
 
-Every constant here (0.8, a half-life of 4 caches, 8x, 2%, the shadows' shares, 32 blocks, half a
-shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps and
-what else was tried.
+Every constant here (0.8, a half-life of 4 caches, 8x, 2%, 1%, the shadows' shares, 32 blocks,
+half a shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps
+and what else was tried.
 
 Cost per access: O(1) amortised. A hit is a few dict operations and one ``log2``; a miss adds a
 duel, a ghost and O(1) amortised trimming; a sampled access (all of them in a cache of <= 128
@@ -102,6 +105,7 @@ class LfuState:
     rated_for: int = 0  # resident blocks when the half-life was last set
     next_rate_check: int = 64
     share: float = 0.01  # the window's target share of the resident bytes
+    cold: bool = False  # adaptive, and no access has hit or come back from a ghost yet
     least: float = 0.0  # the share's lower bound: where the last jump up went
     adaptive: bool = True
     full: bool = False  # a victim was asked for since the last insert
@@ -134,8 +138,9 @@ def lfu(
     """Decayed frequency weighed with recency, with an adaptive window and a TTL (the default).
 
     Args:
-      window: the window's share of the bytes. None (the default): adaptive, from 1% between 0
-        (frequency-protected) and 1 (plain LRU). A number fixes it; 1.0 is exactly LRU.
+      window: the window's share of the bytes. None (the default): adaptive between 0
+        (frequency-protected) and 1 (plain LRU); 1 until the first reuse, then from 1%. A number
+        fixes it; 1.0 is exactly LRU.
       half_life: accesses after which an idle key's count halves. None (the default): 4 per
         block the cache holds. ``math.inf``: plain counts (no decay).
       ttl: seconds without an access after which a block leaves L1/L2; None for no TTL.
@@ -168,6 +173,9 @@ def lfu(
         )
         state.share = START if window is None else float(window)
         state.adaptive = window is None
+        if window is None:  # LRU until the first reuse: see _warm
+            state.share = 1.0
+            state.cold = True
         if window is None:
             state.sims = MiniSims(
                 lambda w: lfu(window=w, half_life=half_life, ttl=None), CANDIDATES,
@@ -212,7 +220,11 @@ def lfu(
                 state.ghost_bytes -= ghost[0]
                 if state.adaptive:
                     _vote(state, ghost)
+                if state.cold:
+                    _warm(state)
             state.before[key] = old
+        if hit and state.cold:
+            _warm(state)
         if state.tier_of is not None:  # for victim: is this access a miss of the whole cache?
             state.current = key
             state.missing = not hit
@@ -347,6 +359,7 @@ def lfu(
             "window": window,
             "window_now": state.share,
             "window_least": state.least,
+            "cold": state.cold,
             "sample_rate": None if state.sims is None else 1.0 / (1 << state.sims.shift),
             "half_life": None if state.rate == 0 else 1.0 / state.rate,
             "history": HISTORY,
@@ -495,6 +508,15 @@ def _set_share(state: LfuState, share: float) -> None:
         if state.window_bytes - window[oldest] < limit:
             break
         _to_probation(state, oldest)
+
+
+def _warm(state: LfuState) -> None:
+    """The first reuse (a hit, or a key back from a ghost): the window's share leaves 1 (LRU)
+    for START, and the window's overflow becomes main, in LRU order. Before any reuse nothing says
+    which blocks to protect: a trace that begins with a scan can turn back on it (a zig-zag wants
+    the recent blocks, LRU's) or loop over it (after the turn, main keeps the blocks it holds)."""
+    state.cold = False
+    _set_share(state, START)
 
 
 def _jump(state: LfuState, share: float) -> None:
