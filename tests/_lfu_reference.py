@@ -139,7 +139,9 @@ class ReferenceLfu:
             self.shadow_hits[i] += shadow.access(key, nbytes)
         self.live_hits += hit
         most = max(self.shadow_hits)
-        if most - self.live_hits >= JUMP_LEAD * max(count // 2**self.shift, 8):
+        near = min(range(len(CANDIDATES)), key=lambda i: abs(CANDIDATES[i] - self.share))
+        reference = min(self.live_hits, self.shadow_hits[near])
+        if most - reference >= JUMP_LEAD * max(count // 2**self.shift, 8):
             share = CANDIDATES[self.shadow_hits.index(most)]
             self.shadow_hits = [0] * len(self.shadows)
             self.live_hits = 0

@@ -97,8 +97,12 @@ class MiniSims:
     """Shadows of ``make(setting)`` per setting, refereeing the live cache on sampled accesses.
 
     Each shadow and the live cache count their hits on the sampled accesses since the last
-    jump. When the shadow with the most hits leads the live cache by ``lead`` times the blocks a
-    shadow holds, `step` returns its setting (the jump) and every count starts again from 0.
+    jump. When the shadow with the most hits leads, by ``lead`` times the blocks a shadow holds,
+    the lower of the live cache and the shadow nearest the live setting (the lower setting on a
+    tie), `step` returns its setting (the jump) and every count starts again from 0. The nearest
+    shadow is the fair reference for a setting (a miniature cache misses a little more than the
+    full one); the live cache is the reference for its contents (a cache that holds what an
+    earlier setting chose can trail the shadow of its own setting).
     """
 
     __slots__ = ("shadows", "shift", "mask", "members", "known", "budget", "live", "sample",
@@ -127,8 +131,11 @@ class MiniSims:
         if self.mask and not key_hash(key) & self.mask:
             self.members.add(key)
 
-    def step(self, key: Key, nbytes: int, hit: bool, resident: int, count: int) -> float | None:
-        """A sampled access; ``resident``/``count``: the live cache's bytes and blocks now.
+    def step(
+        self, key: Key, nbytes: int, hit: bool, resident: int, count: int, setting: float,
+    ) -> float | None:
+        """A sampled access; ``resident``/``count``/``setting``: the live cache's bytes, blocks
+        and setting now.
 
         Returns:
           The setting to jump to, or None.
@@ -149,8 +156,11 @@ class MiniSims:
             shadow.step(key, nbytes, self.budget)
         self.live += hit
         leader = max(self.shadows, key=_hits)
-        if leader.hits - self.live < self.lead * max(count >> self.shift, 8):
-            return None
+        need = self.lead * max(count >> self.shift, 8)
+        if leader.hits - self.live < need:
+            near = min(self.shadows, key=lambda shadow: abs(shadow.setting - setting))
+            if leader.hits - near.hits < need:
+                return None
         for shadow in self.shadows:
             shadow.hits = 0
         self.live = 0

@@ -16,7 +16,8 @@ The idea.
   resident bytes, so a key back from a short absence is judged on its history.
 * Until the first reuse (a hit, or a key back from a ghost) the share is 1 (LRU): nothing yet
   says what to protect, and a trace that turns back on a scan wants its recent blocks. At the
-  first reuse the share drops to 1% (the window's overflow becomes main, in LRU order).
+  first reuse the share drops to 1% (the window's overflow becomes main, in LRU order); a
+  zig-zag, whose first turn the shadow at 0 misses, goes back to 1 within that turn (below).
 * The window's share of the bytes moves online between 0 (frequency-protected) and 1 (plain LRU):
   - a miss on a ghost that left its segment (window or main) within the last 2% of the cache's
     bytes evicted from that segment says that segment was a step too small: the share moves one
@@ -25,8 +26,10 @@ The idea.
   - *miniature simulations* (Waldspurger et al., ATC'17) referee it: shadow caches at fixed
     shares (0, 5%, 20%, and 1, which is LRU) run on a hashed sample of the keys with the same
     share of the bytes (every key while the cache holds <= 64 blocks, then a shadow holds 32 to
-    64 blocks). When the shadow with the most hits leads our own hits on the same sampled
-    accesses by half a shadow's blocks, the share jumps to the shadow's and the counts restart.
+    64 blocks). When the shadow with the most hits on the sampled accesses leads by half a
+    shadow's blocks the lower of our own hits and those of the shadow nearest our share (a
+    miniature cache misses a little more than ours: the nearest shadow is the fair reference for
+    the share, ours for what we hold), the share jumps to the leader's and the counts restart.
     A jump up is the votes' floor (a zig-zag that wants LRU is invisible to them); a jump down
     gives the window's overflow to probation. Only sampled accesses touch the shadows.
 * Sizes count in bytes everywhere (shares, ghosts, the shadows), so a big block takes the room
@@ -233,7 +236,7 @@ def lfu(
         if sims is not None and (not sims.mask or key in sims.members):
             if hit:
                 nbytes = window.get(key) or state.protected.get(key) or state.probation[key]
-                jump = sims.step(key, nbytes, True, state.resident, state.count)
+                jump = sims.step(key, nbytes, True, state.resident, state.count, state.share)
                 if jump is not None:
                     _jump(state, jump)
             else:
@@ -246,7 +249,8 @@ def lfu(
             _layer(state, key)
         if key == state.pending:
             state.pending = None
-            jump = state.sims.step(key, nbytes, False, state.resident + nbytes, state.count + 1)
+            jump = state.sims.step(
+                key, nbytes, False, state.resident + nbytes, state.count + 1, state.share)
             if jump is not None:
                 _jump(state, jump)
         if state.moving and key in state.moving:  # moved between tiers: not judged again
