@@ -4,7 +4,8 @@
 
 For each chunk of accesses it prints `lfu`'s and LRU's misses and `lfu`'s window share; at the
 end, the hits of the live cache and of each shadow on the sampled accesses since the last jump,
-and the jumps (access, share before, share after). One tier, no TTL, unit sizes as the trace has.
+and the jumps (access, share before, share after). One tier, no TTL; the cache holds PERCENT of
+the trace's distinct bytes (of its keys where it lists no sizes), as `bench.policies` sizes it.
 docs/policies.md quotes it for `lirs_backf` at 20% and `cache2k_web12` at 5%.
 """
 
@@ -29,7 +30,7 @@ def main() -> None:
     lfu_module = importlib.import_module("cacheflow_jax.policies.lfu")  # the package exports lfu()
     trace = read_trace(args.trace)
     keys = trace.keys
-    size = int(len(set(keys)) * args.percent / 100)
+    size = int(sum(trace.sizes().values()) * args.percent / 100)  # bytes (1 per key if unsized)
     chunk = args.chunk or max(len(keys) // 20, 1)
     jumps = []
     jump = lfu_module._jump
@@ -55,7 +56,7 @@ def main() -> None:
                 rows.append((misses - before, getattr(cache._planner.state, "share", None)))
                 before = misses
         runs[name] = (cache, rows)
-    print(f"{args.trace}: {len(keys)} accesses, {len(set(keys))} keys, cache {size} blocks")
+    print(f"{args.trace}: {len(keys)} accesses, {len(set(keys))} keys, cache {size} bytes")
     print("chunk  lfu misses  lru misses  lfu share")
     for i, ((m, share), (m_lru, _)) in enumerate(zip(runs["lfu"][1], runs["lru"][1])):
         print(f"{i:5d}  {m:10d}  {m_lru:10d}  {share:9.3f}")
