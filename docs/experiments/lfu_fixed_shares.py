@@ -1,0 +1,72 @@
+"""`lfu` at fixed window shares on one trace, beside the adaptive default and LRU.
+
+    python docs/experiments/lfu_fixed_shares.py TRACE PERCENT [--chunks]
+
+Prints the miss ratio of the default `lfu`, of `lfu(window=w)` for w in 0, .01, .05, .1, .2, .5,
+1 and of `lru`, replayed through `cacheflow_jax._replay.replay` as `bench.policies` does (one
+tier, the cache PERCENT of the trace's distinct bytes). With ``--chunks``, the misses per twentieth
+of the trace of the default (with its share at the chunk's end), of a fixed share of 0 and of LRU.
+docs/policies.md quotes it for the nine points outside .005 and for cloudPhysics at 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cacheflow_jax._cache import TieredCache
+from cacheflow_jax._replay import TraceStore, replay
+from cacheflow_jax._tiers import MetadataTier
+from cacheflow_jax._trace import read_trace
+from cacheflow_jax.policies import get_policy, lfu
+
+SHARES = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def chunks(trace, size: int) -> None:
+    keys = trace.keys
+    chunk = max(len(keys) // 20, 1)
+    runs = {}
+    policies = {"lfu": get_policy("lfu", ttl=None), "w=0": lfu(window=0.0, ttl=None),
+                "lru": get_policy("lru", ttl=None)}
+    for name, policy in policies.items():
+        cache = TieredCache(
+            TraceStore(trace), device_bytes=size, host_bytes=0, policy=policy,
+            clock=lambda: 0.0, read_buffer=1,
+            tiers=[MetadataTier(size, name="device", setting="device_bytes"),
+                   MetadataTier(0, name="host", setting="host_bytes")],
+        )  # fmt: skip
+        rows, before = [], 0
+        for i, key in enumerate(keys):
+            cache.access_sync(key, float(i))
+            if (i + 1) % chunk == 0:
+                misses = cache.stats()["misses"]
+                rows.append((misses - before, getattr(cache._planner.state, "share", None)))
+                before = misses
+        runs[name] = rows
+    print("chunk  lfu misses (share)  w=0 misses  lru misses")
+    for i, ((m, share), (m0, _), (ml, _)) in enumerate(zip(*runs.values())):
+        print(f"{i:5d}  {m:10d} ({share:.2f})  {m0:10d}  {ml:10d}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("percent", type=float)
+    p.add_argument("--chunks", action="store_true", help="misses per twentieth of the trace")
+    args = p.parse_args()
+    trace = read_trace(args.trace)
+    size = int(sum(trace.sizes().values()) * args.percent / 100)
+    if args.chunks:
+        chunks(trace, size)
+        return
+    ratios = {"lfu": replay(trace, device_bytes=size, host_bytes=0, policy="lfu")["miss_ratio"]}
+    for w in SHARES:
+        ratios[f"w={w:g}"] = replay(
+            trace, device_bytes=size, host_bytes=0, policy=lfu(window=w))["miss_ratio"]
+    ratios["lru"] = replay(trace, device_bytes=size, host_bytes=0, policy="lru")["miss_ratio"]
+    print(f"{args.trace} at {args.percent:g}% ({size} bytes):")
+    print("  ".join(f"{name} {mr:.4f}" for name, mr in ratios.items()))
+
+
+if __name__ == "__main__":
+    main()
