@@ -15,6 +15,7 @@ import zlib
 
 PROTECTED, HISTORY, STEP, START, MIN_GHOSTS = 0.8, 8.0, 0.02, 0.01, 64
 CANDIDATES, SAMPLE_BLOCKS, JUMP_LEAD = (0.0, 0.05, 0.2, 1.0), 32, 0.5
+CLOSE_SAMPLE, SIGNIFICANCE = 2, 2.0
 
 
 class ReferenceLfu:
@@ -30,6 +31,7 @@ class ReferenceLfu:
         self.share = 1.0 if window is None else window  # adaptive: LRU until the first reuse
         self.cold = self.adaptive
         self.least = 0.0
+        self.pending_votes: list[int] = []  # +1 up, -1 down, since the share last moved
         self.tick = 0
         self.window: list[str] = []  # oldest first
         self.probation: list[str] = []
@@ -146,6 +148,7 @@ class ReferenceLfu:
             self.shadow_hits = [0] * len(self.shadows)
             self.live_hits = 0
             self.least = share if share > self.share else 0.0
+            self.pending_votes = []
             self.set_share(share)
 
     def set_share(self, share: float) -> None:
@@ -165,8 +168,21 @@ class ReferenceLfu:
         _, _, from_window, stamp = ghost
         margin = STEP * self.bytes_of(self.resident())
         if from_window and self.window_out - stamp <= margin:
-            self.share = min(self.share + STEP, 1.0)
+            up = True
         elif not from_window and self.main_out - stamp <= margin:
+            up = False
+        else:
+            return
+        if 2**self.shift <= CLOSE_SAMPLE:  # the shadows are close copies: the votes must agree
+            self.pending_votes.append(1 if up else -1)
+            net = sum(self.pending_votes)
+            if abs(net) < SIGNIFICANCE * math.sqrt(len(self.pending_votes)):
+                return
+            up = net > 0
+            self.pending_votes = []
+        if up:
+            self.share = min(self.share + STEP, 1.0)
+        else:
             self.share = max(self.share - STEP, self.least)
 
     def victim(self) -> str:

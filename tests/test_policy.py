@@ -245,7 +245,11 @@ def test_lfu_a_block_in_transit_is_not_taken_for_gone_by_another_access(move):
 def test_lfu_two_tiers_of_sized_blocks_miss_like_one_cache_of_the_sum(budget):
     # Sizes 1-16 bytes: whole blocks leave each tier, so two tiers cannot hold exactly what one
     # holds, but each block L2 gives up is one cache's next loser, so the miss ratios stay close
-    # (L2 giving up its oldest probation block instead missed .006 and .020 more here).
+    # (L2 giving up its oldest probation block instead missed .006 and .020 more here). A known
+    # gap: with the same phases from seeds 0-2, 4 and 5 two tiers miss .018-.029 more at 1500
+    # bytes (.002 here; within .002 at 300-1100 bytes): one tier's margin votes move its share
+    # there, two tiers' extra main evictions take those votes out of the margin, and the
+    # shadows then jump (docs/policies.md, "Two tiers").
     keys = _phases(seed=3, phases=20, scan=300, loop=260, loops=2, hot=800, per=1500)
     sizes = {k: random.Random(k).randint(1, 16) for k in set(keys)}
     trace = _trace(keys, sizes, timed=False)
@@ -317,7 +321,54 @@ def test_shadows_sample_the_keys_of_a_large_cache():
     assert sims.members == {k for k in state.score if key_hash(k) % 64 == 0}
 
 
-def test_margin_votes_move_the_window_toward_the_segment_that_was_short():
+def _ten_blocks_after_the_first_reuse(policy):
+    state = policy.init(1)
+    for key in "abcdefghij":
+        policy.access(state, key, 0.0)
+        policy.insert(state, 0, key, 0.0, 10)
+    policy.access(state, "j", 0.0)  # the first reuse: the share leaves LRU for START
+    assert state.share == 0.01 and list(state.window) == ["j"]
+    return state
+
+
+def _window_vote(policy, state):
+    """The window's block leaves and comes straight back: a vote up (the window was short)."""
+    key = next(iter(state.window))
+    policy.remove(state, 0, key)
+    policy.access(state, key, 0.0)
+    policy.insert(state, 0, key, 0.0, 10)
+
+
+def _main_vote(policy, state):
+    """Probation's oldest leaves and comes straight back: a vote down (main was short)."""
+    key = next(iter(state.probation))
+    policy.remove(state, 0, key)
+    policy.access(state, key, 0.0)
+    policy.insert(state, 0, key, 0.0, 10)
+
+
+def test_margin_votes_need_agreement_while_the_shadows_are_close_copies(monkeypatch):
+    # Ten blocks: the shadows see every key, and a step is a fifth of a block. A vote moves the
+    # share only when the votes since it last moved lean one way by two standard deviations
+    # (net^2 >= 4 votes): four in a row, not one, and never votes that keep alternating. (The
+    # shadows' jumps are switched off, to watch the votes alone.)
+    monkeypatch.setattr(lfu_module, "JUMP_LEAD", 1e9)
+    policy = lfu(half_life=1e9)
+    state = _ten_blocks_after_the_first_reuse(policy)
+    for _ in range(3):
+        _window_vote(policy, state)
+    assert state.share == 0.01 and (state.votes, state.net_votes) == (3, 3)
+    _window_vote(policy, state)
+    assert state.share == pytest.approx(0.03) and state.votes == 0
+    for _ in range(10):
+        _main_vote(policy, state)
+        _window_vote(policy, state)
+    assert state.share == pytest.approx(0.03) and (state.votes, state.net_votes) == (20, 0)
+
+
+def test_margin_votes_move_the_window_toward_the_segment_that_was_short(monkeypatch):
+    # In a cache whose shadows sample few keys (here: forced for ten blocks), each vote moves.
+    monkeypatch.setattr(lfu_module, "CLOSE_SAMPLE", 0)
     policy = lfu(half_life=1e9)
     state = policy.init(1)
     for key in "abcdefghij":

@@ -32,6 +32,10 @@ The idea.
     the share, ours for what we hold), the share jumps to the leader's and the counts restart.
     A jump up is the votes' floor (a zig-zag that wants LRU is invisible to them); a jump down
     gives the window's overflow to probation. Only sampled accesses touch the shadows.
+  - while the shadows see at least every other key (<= 128 blocks), they are close copies of
+    the cache and a step is a block or two: the votes since the share last moved must then
+    lean one way by 2 standard deviations (net^2 >= 4 votes) to move it, or single ghost
+    hits walk the share off the shadows' choice and back.
 * Sizes count in bytes everywhere (shares, ghosts, the shadows), so a big block takes the room
   of many small ones.
 * TTL: a block idle for ``ttl`` seconds leaves whatever its score (a sweep every ``ttl / 8``).
@@ -44,13 +48,13 @@ The idea.
   then gives up that cache's next loser.
 
 Every constant here (0.8, a half-life of 4 caches, 8x, 2%, 1%, the shadows' shares, 32 blocks,
-half a shadow) was chosen on all 19 shared traces at 4 sizes each; docs/policies.md has the sweeps
-and what else was tried.
+half a shadow, every other key, 2 deviations) was chosen on all 19 shared traces at 4 sizes
+each; docs/policies.md has the sweeps and what else was tried.
 
 Cost per access: O(1) amortised. A hit is a few dict operations and one ``log2``; a miss adds a
-duel, a ghost and O(1) amortised trimming; a sampled access (all of them in a cache of <= 128
-blocks, 1 in 32 at 3,000 blocks) also steps 3 shadow caches and an LRU list; the half-life is re-expressed (O(keys)) only when the
-resident count has doubled or halved since the last time.
+duel, a ghost and O(1) amortised trimming; a sampled access (all of them in a cache of <= 64
+blocks, 1 in 32 at 3,000 blocks) also steps 3 shadow caches and an LRU list; the half-life is
+re-expressed (O(keys)) only when the resident count has doubled or halved since the last time.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ START = 0.01  # the window's share at first (Caffeine's)
 CANDIDATES = (0.0, 0.05, 0.2, 1.0)  # the shadows' fixed window shares (1.0 is LRU)
 SAMPLE_BLOCKS = 32  # a shadow holds 32-64 blocks (every key while the cache holds <= 64)
 JUMP_LEAD = 0.5  # a shadow's lead over the live cache that makes it jump, in shadow blocks
+CLOSE_SAMPLE = 2  # while the shadows sample >= 1 key in 2 (<= 128 blocks), votes must agree
+SIGNIFICANCE = 2.0  # ... by this many standard deviations (z) before the share moves
 _MIN_GHOSTS = 64  # ghost keys kept whatever the bytes (a cache of a few huge blocks needs some)
 _NEVER = -math.inf  # the score before a first access
 
@@ -110,6 +116,8 @@ class LfuState:
     share: float = 0.01  # the window's target share of the resident bytes
     cold: bool = False  # adaptive, and no access has hit or come back from a ghost yet
     least: float = 0.0  # the share's lower bound: where the last jump up went
+    votes: int = 0  # votes since the share last moved (counted only while they need agreement)
+    net_votes: int = 0  # of which up (toward the window) minus down
     adaptive: bool = True
     full: bool = False  # a victim was asked for since the last insert
     filled: bool = False  # the last tier has given up a block (two tiers: the cache is full)
@@ -528,17 +536,37 @@ def _jump(state: LfuState, share: float) -> None:
     margin votes (they cannot see what made the jump, e.g. a zig-zag that wants LRU); down, the
     floor is gone."""
     state.least = share if share > state.share else 0.0
+    state.votes = state.net_votes = 0
     _set_share(state, share)
 
 
 def _vote(state: LfuState, ghost: tuple) -> None:
-    """A miss on a ghost that left its segment within STEP of the bytes: one step toward it."""
+    """A miss on a ghost that left its segment within STEP of the bytes: one step toward it.
+
+    While the shadows sample at least one key in CLOSE_SAMPLE, they are close copies of the
+    cache at their shares and a step is a few blocks: the votes since the share last moved must
+    then lean one way by SIGNIFICANCE standard deviations (net^2 >= z^2 votes) before it moves.
+    """
     margin = STEP * state.resident
     _, from_window, stamp = ghost
     if from_window:
-        if state.window_out - stamp <= margin:
-            state.share = min(state.share + STEP, 1.0)
+        if state.window_out - stamp > margin:
+            return
+        up = True
     elif state.main_out - stamp <= margin:
+        up = False
+    else:
+        return
+    if 1 << state.sims.shift <= CLOSE_SAMPLE:
+        net = state.net_votes = state.net_votes + (1 if up else -1)
+        votes = state.votes = state.votes + 1
+        if net * net < SIGNIFICANCE * SIGNIFICANCE * votes:
+            return
+        up = net > 0
+        state.votes = state.net_votes = 0
+    if up:
+        state.share = min(state.share + STEP, 1.0)
+    else:
         state.share = max(state.share - STEP, state.least)
 
 
