@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 Implementation = Literal["auto", "pallas", "xla"]
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -60,3 +61,20 @@ def pow2_divisor(n: int, cap: int) -> int:
     while block > cap:
         block //= 2
     return block
+
+
+def as_words(x: jax.Array) -> jax.Array:
+    """``x`` bitcast to unsigned integers of its width, if it holds floats; else ``x`` itself.
+
+    The kernels move bytes. Moved as floats, a value can change on the way: interpret mode on
+    the CPU flushed bfloat16 subnormals to zero (bits 0x000b came out as 0x0000) and quiets
+    signalling NaNs. As words every bit pattern arrives unchanged, on any backend.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def from_words(x: jax.Array, dtype) -> jax.Array:
+    """The inverse of `as_words`: ``x`` bitcast back to ``dtype``."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, pow2_divisor, resolve
+from pallas_kernels._common import as_words, compiler_params, from_words, pow2_divisor, resolve
 
 MAX_BLOCK_WIDTH = 1024
 
@@ -50,8 +50,10 @@ def _gather_lines_pallas(slab, slots, out=None, *, interpret: bool):
     if n == 0:
         return jnp.zeros(shape.shape, shape.dtype)
     block_width = pow2_divisor(width, MAX_BLOCK_WIDTH)
-    given = [] if out is None else [out]
-    return pl.pallas_call(
+    dtype, slab = slab.dtype, as_words(slab)  # bytes, not floats: see `as_words`
+    given = [] if out is None else [as_words(out)]
+    shape = jax.ShapeDtypeStruct((n, width), slab.dtype)
+    lines = pl.pallas_call(
         functools.partial(gather_lines_kernel, block_width=block_width),
         grid=(n, width // block_width),
         # slots (one scalar read per program), the slab (read at data-dependent rows), and the
@@ -64,6 +66,7 @@ def _gather_lines_pallas(slab, slots, out=None, *, interpret: bool):
         compiler_params=compiler_params(interpret),
         name="gather_lines",
     )(slots.astype(jnp.int32), slab, *given)
+    return from_words(lines, dtype)
 
 
 def gather_lines_reference(slab: jax.Array, slots: jax.Array) -> jax.Array:

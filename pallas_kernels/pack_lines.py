@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, pow2_divisor, resolve
+from pallas_kernels._common import as_words, compiler_params, from_words, pow2_divisor, resolve
 
 # The widest row piece one program copies (elements). A power of two for Triton.
 MAX_BLOCK_WIDTH = 1024
@@ -60,7 +60,8 @@ def _pack_lines_pallas(slab, lines, slots, *, interpret: bool):
     if n == 0:
         return slab
     block_width = pow2_divisor(width, MAX_BLOCK_WIDTH)
-    return pl.pallas_call(
+    dtype, slab, lines = slab.dtype, as_words(slab), as_words(lines)  # bytes: see `as_words`
+    packed = pl.pallas_call(
         functools.partial(pack_lines_kernel, block_width=block_width),
         grid=(n, width // block_width),
         in_specs=[
@@ -75,11 +76,16 @@ def _pack_lines_pallas(slab, lines, slots, *, interpret: bool):
         compiler_params=compiler_params(interpret),
         name="pack_lines",
     )(slots.astype(jnp.int32), lines, slab)
+    return from_words(packed, dtype)
 
 
 def pack_lines_reference(slab: jax.Array, lines: jax.Array, slots: jax.Array) -> jax.Array:
-    """``slab`` with ``slab[slots[i]] = lines[i]``: the plain-jnp definition of `pack_lines`."""
-    return slab.at[slots].set(lines)
+    """``slab`` with ``slab[slots[i]] = lines[i]``: the plain-jnp definition of `pack_lines`.
+
+    Floats are scattered as words (`as_words`): XLA's scatter on the CPU flushed bfloat16
+    subnormals to zero.
+    """
+    return from_words(as_words(slab).at[slots].set(as_words(lines)), slab.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret"), donate_argnums=(0,))
@@ -87,7 +93,8 @@ def _pack_lines(slab, lines, slots, *, implementation: str, interpret: bool):
     _check(slab, lines, slots)
     if resolve(implementation, interpret, op="pack_lines") == "pallas":
         return _pack_lines_pallas(slab, lines, slots, interpret=interpret)
-    return slab.at[slots].set(lines, unique_indices=True)
+    packed = as_words(slab).at[slots].set(as_words(lines), unique_indices=True)
+    return from_words(packed, slab.dtype)
 
 
 def pack_lines(
