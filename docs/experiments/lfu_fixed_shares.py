@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._replay import TraceStore, replay
-from cacheflow_jax._tiers import MetadataTier
+from lfu_trace import misses_per_chunk  # this directory's
+
+from cacheflow_jax._replay import replay
 from cacheflow_jax._trace import read_trace
 from cacheflow_jax.policies import get_policy, lfu
 
@@ -23,26 +23,11 @@ SHARES = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def chunks(trace, size: int) -> None:
-    keys = trace.keys
-    chunk = max(len(keys) // 20, 1)
-    runs = {}
+    chunk = max(len(trace.keys) // 20, 1)
     policies = {"lfu": get_policy("lfu", ttl=None), "w=0": lfu(window=0.0, ttl=None),
                 "lru": get_policy("lru", ttl=None)}
-    for name, policy in policies.items():
-        cache = TieredCache(
-            TraceStore(trace), device_bytes=size, host_bytes=0, policy=policy,
-            clock=lambda: 0.0, read_buffer=1,
-            tiers=[MetadataTier(size, name="device", setting="device_bytes"),
-                   MetadataTier(0, name="host", setting="host_bytes")],
-        )  # fmt: skip
-        rows, before = [], 0
-        for i, key in enumerate(keys):
-            cache.access_sync(key, float(i))
-            if (i + 1) % chunk == 0:
-                misses = cache.stats()["misses"]
-                rows.append((misses - before, getattr(cache._planner.state, "share", None)))
-                before = misses
-        runs[name] = rows
+    runs = {name: misses_per_chunk(trace, size, policy, chunk)[1]
+            for name, policy in policies.items()}
     print("chunk  lfu misses (share)  w=0 misses  lru misses")
     for i, ((m, share), (m0, _), (ml, _)) in enumerate(zip(*runs.values())):
         print(f"{i:5d}  {m:10d} ({share:.2f})  {m0:10d}  {ml:10d}")

@@ -21,6 +21,29 @@ from cacheflow_jax._trace import read_trace
 from cacheflow_jax.policies import get_policy
 
 
+def misses_per_chunk(trace, size: int, policy, chunk: int) -> tuple[TieredCache, list[tuple]]:
+    """Replays ``trace`` through one tier of ``size`` bytes under ``policy`` (no clock).
+
+    Returns:
+      The cache, and per chunk of ``chunk`` accesses its misses and the policy's window share
+      at the chunk's end (None for a policy without one).
+    """
+    cache = TieredCache(
+        TraceStore(trace), device_bytes=size, host_bytes=0, policy=policy,
+        clock=lambda: 0.0, read_buffer=1,
+        tiers=[MetadataTier(size, name="device", setting="device_bytes"),
+               MetadataTier(0, name="host", setting="host_bytes")],
+    )  # fmt: skip
+    rows, before = [], 0
+    for i, key in enumerate(trace.keys):
+        cache.access_sync(key, float(i))
+        if (i + 1) % chunk == 0:
+            misses = cache.stats()["misses"]
+            rows.append((misses - before, getattr(cache._planner.state, "share", None)))
+            before = misses
+    return cache, rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -40,22 +63,8 @@ def main() -> None:
         jump(state, share)
 
     lfu_module._jump = logged
-    runs = {}
-    for name in ("lfu", "lru"):
-        cache = TieredCache(
-            TraceStore(trace), device_bytes=size, host_bytes=0,
-            policy=get_policy(name, ttl=None), clock=lambda: 0.0, read_buffer=1,
-            tiers=[MetadataTier(size, name="device", setting="device_bytes"),
-                   MetadataTier(0, name="host", setting="host_bytes")],
-        )  # fmt: skip
-        rows, before = [], 0
-        for i, key in enumerate(keys):
-            cache.access_sync(key, float(i))
-            if (i + 1) % chunk == 0:
-                misses = cache.stats()["misses"]
-                rows.append((misses - before, getattr(cache._planner.state, "share", None)))
-                before = misses
-        runs[name] = (cache, rows)
+    runs = {name: misses_per_chunk(trace, size, get_policy(name, ttl=None), chunk)
+            for name in ("lfu", "lru")}
     print(f"{args.trace}: {len(keys)} accesses, {len(set(keys))} keys, cache {size} bytes")
     print("chunk  lfu misses  lru misses  lfu share")
     for i, ((m, share), (m_lru, _)) in enumerate(zip(runs["lfu"][1], runs["lru"][1])):
