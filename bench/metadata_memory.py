@@ -101,7 +101,7 @@ class MetadataStore:
     def read_many(self, keys: Sequence[str]) -> list[_Ready]:
         return [self.read(k) for k in keys]
 
-    def write(self, key: str, value: np.ndarray) -> _Ready:
+    def write(self, key: str, value: np.ndarray, *, version: Any = None) -> _Ready:
         raise PermissionError(f"{self.spec} is read-only; cannot write {key!r}")
 
 

@@ -14,18 +14,23 @@ loops over random operations:
 | `get` of a chunk | 45% | every byte equals the source array's slice |
 | `get` of a runtime block | 20% | the block is one of the versions put for that key, whole |
 | `get_many` of 4 chunks | 5% | as `get` |
-| `put` of a new version | 20% | - |
+| `put` of a new version | 15% | - |
+| "recompute": `evict` of a runtime block, then `put` of a new version at once | 5% | - |
 | `evict` | 7% | - |
 | `flush` | 3% | - |
 
 A runtime block's value is ``key_id * 1_000_000 + version`` in every element, so a torn,
-mixed or foreign block is caught, as is a version never put. A sampler thread checks the
+mixed or foreign block is caught, as is a version never put. A put holds its key's lock (puts
+of other keys, gets, evicts and flushes go on beside it), so each key has a newest version; the
+"recompute" op puts a key again while its evicted version is being written back. A sampler thread checks the
 budgets (`TieredCache.check_budgets`) every 5 ms and the process's resident memory (RSS) every
 0.25 s. A watchdog counts a hang when no thread has finished an operation for 30 s.
 
 It reports operations, wrong bytes, budget violations, hangs, errors, and whether RSS is flat:
 over the second half of the run, max/min RSS must be within 10%. After the run, the cache is
-flushed and the store reopened: every runtime block must read back as a version that was put.
+flushed (right after evicting every runtime block and putting each again) and the store reopened: every runtime
+block must read back as its newest version
+(``lost_updates`` counts those that do not; ``reputs`` the puts of a key already put).
 """
 
 from __future__ import annotations
@@ -77,7 +82,9 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
             expected[key] = arrays[info.array][sel]
         versions = [itertools.count(1) for _ in range(RUNTIME_KEYS)]
         highest = [0] * RUNTIME_KEYS  # the highest version put so far (a lower bound is enough)
-        n = {"ops": 0, "wrong": 0, "budget": 0, "errors": 0, "hangs": 0}
+        newest = [0] * RUNTIME_KEYS  # the version of each key's last put (under its lock)
+        put_locks = [threading.Lock() for _ in range(RUNTIME_KEYS)]
+        n = {"ops": 0, "wrong": 0, "budget": 0, "errors": 0, "hangs": 0, "reputs": 0}
         first_error: list[str] = []
         stop = threading.Event()
         last_op = [time.monotonic()]
@@ -93,9 +100,21 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
             kid, version = divmod(int(arr[0]), 1_000_000)
             return kid == key_id and 1 <= version <= highest[key_id] + threads
 
+        def put(kid: int, *, recompute: bool) -> int:
+            """Puts a new version of ``kid`` (after evicting it, for a recompute); 1 if a re-put."""
+            with put_locks[kid]:
+                if recompute:
+                    cache.evict(f"kv:{kid}")
+                version = next(versions[kid])
+                cache.put(f"kv:{kid}", runtime_value(kid, version))
+                again = int(newest[kid] > 0)
+                newest[kid] = version
+                highest[kid] = max(highest[kid], version)
+            return again
+
         def worker(wid: int) -> None:
             r = random.Random(seed * 1000 + wid)
-            ops = wrong = errors = 0
+            ops = wrong = errors = reputs = 0
             while not stop.is_set():
                 p = r.random()
                 try:
@@ -113,10 +132,7 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
                             if not np.array_equal(np.asarray(value), expected[key]):
                                 wrong += 1
                     elif p < 0.90:
-                        kid = r.randrange(RUNTIME_KEYS)
-                        version = next(versions[kid])
-                        cache.put(f"kv:{kid}", runtime_value(kid, version))
-                        highest[kid] = max(highest[kid], version)
+                        reputs += put(r.randrange(RUNTIME_KEYS), recompute=p >= 0.85)
                     elif p < 0.97:
                         cache.evict(
                             r.choice(chunk_keys)
@@ -136,6 +152,7 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
                 n["ops"] += ops
                 n["wrong"] += wrong
                 n["errors"] += errors
+                n["reputs"] += reputs
 
         rss: list[tuple[float, int]] = []
 
@@ -169,12 +186,24 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
                 n["hangs"] += 1
         watcher.join(timeout=10)
         elapsed = time.monotonic() - t_start
+        # The last step recomputes every key: all are evicted (their write-backs start), then
+        # all are put again at once, so that the flush below meets write-backs of older
+        # versions still in flight, as a session's exit after a batch of recomputes does.
+        for kid in range(RUNTIME_KEYS):
+            cache.evict(f"kv:{kid}")
+        for kid in range(RUNTIME_KEYS):
+            n["reputs"] += put(kid, recompute=False)
         cache.flush()
         reopened = cfj.open_store(root)
-        unreadable = 0
+        unreadable = lost_updates = 0
         for kid in range(RUNTIME_KEYS):
-            if highest[kid] and not check_runtime(kid, reopened.read(f"kv:{kid}").result()):
+            if not newest[kid]:
+                continue
+            value = reopened.read(f"kv:{kid}").result()
+            if not check_runtime(kid, value):
                 unreadable += 1
+            elif int(np.asarray(value)[0]) != kid * 1_000_000 + newest[kid]:
+                lost_updates += 1  # an older version outlived the newest one
         half = [b for t, b in rss if t >= seconds / 2] or [b for _, b in rss]
         spread = (max(half) - min(half)) / min(half) if half else 0.0
         return {
@@ -187,6 +216,8 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
             "errors": n["errors"],
             "first_error": first_error[0] if first_error else None,
             "lost_after_flush": unreadable,
+            "reputs": n["reputs"],
+            "lost_updates": lost_updates,
             "rss_mib_second_half": [round(min(half) / 2**20, 1), round(max(half) / 2**20, 1)],
             "rss_spread_second_half": round(spread, 4),
             "rss_flat": spread <= RSS_TOLERANCE,
@@ -194,6 +225,7 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
             and n["budget"] == 0
             and n["hangs"] == 0
             and unreadable == 0
+            and lost_updates == 0
             and n["errors"] == 0
             and spread <= RSS_TOLERANCE,
         }

@@ -209,6 +209,11 @@ class Store(Protocol):
         """Starts reading many blocks at once (issued in parallel)."""
         ...
 
-    def write(self, key: str, value: np.ndarray) -> ReadFuture:
-        """Starts writing a runtime block (``key`` without ``@``); the future completes when durable."""
+    def write(self, key: str, value: np.ndarray, *, version: Any = None) -> ReadFuture:
+        """Starts writing a runtime block (``key`` without ``@``); the future completes when durable.
+
+        ``version`` (a `cacheflow_jax._runtime_blocks.Version`, or None) orders the writes of one
+        writer: a store that keeps versions refuses an older one over a newer one and its future
+        returns ``"superseded"``.
+        """
         ...

@@ -57,6 +57,7 @@ from cacheflow_jax._tiers import (
     MetadataTier,
     check_device_dtype,
 )
+from cacheflow_jax._writeback import WriteBack
 from cacheflow_jax.policies import Policy, get_policy
 
 if TYPE_CHECKING:
@@ -211,7 +212,6 @@ class TieredCache:
             raise BudgetError(f"writeback_bytes={writeback_bytes} is negative; give a byte budget >= 0")
         self._l3_timeout = l3_timeout
         self._check_dtypes = not isinstance(self._tiers[DEVICE], MetadataTier)
-        self._writeback_bytes = int(writeback_bytes)
         self.store = store
         if _tensorstore_store(store):
             store.add_sibling_listener(self._take_siblings)
@@ -260,23 +260,15 @@ class TieredCache:
         self._planner.watch_transit(self._inflight)  # a key on its way between tiers is not gone
         self._runtime: dict[str, BlockInfo] = {}  # runtime blocks put into this cache
         self._kinds: dict[str, str] = {}  # runtime block key -> access-log kind given to put
-        # Runtime blocks: each put makes a new version; L3 holds version ``_durable[key]``.
-        # A dirty block that left L1/L2 waits in ``_unwritten`` (served to readers from there)
-        # until its write is durable, so no reader can see L3 before the write lands.
-        self._version: dict[str, int] = {}
-        self._durable: dict[str, int] = {}
-        self._unwritten: dict[str, Any] = {}
-        self._writes: dict[str, int] = {}  # key -> version being written
-        self._futures: dict[str, Any] = {}  # key -> pending write future
-        self._write_errors: dict[str, BaseException] = {}  # key -> its last failed write
-        # Runtime blocks not yet durable in L3, wherever they are (L1, L2, the backlog): key ->
-        # nbytes, and their sum, held to ``writeback_bytes``. ``_written`` is notified when a
-        # write finishes, for puts waiting for room.
-        self._dirty: dict[str, int] = {}
-        self._dirty_bytes = 0
-        self._written = threading.Condition(self._lock)
-        self._n = {"device": 0, "host": 0, "miss": 0, "bytes": 0, "miss_bytes": 0, "host_bytes": 0,
-                   "writebacks": 0, "writeback_bytes": 0}
+        # Runtime blocks not yet durable in L3 and their writes (`WriteBack`); a dirty block
+        # that left L1/L2 is parked there (``_unwritten``, served to readers from it) until its
+        # write is durable, so no reader can see L3 before the write lands.
+        self._wb = WriteBack(
+            store, self._lock, budget=int(writeback_bytes), resident=self._resident,
+            to_host=_to_host,
+        )  # fmt: skip
+        self._unwritten = self._wb.parked
+        self._n = {"device": 0, "host": 0, "miss": 0, "bytes": 0, "miss_bytes": 0, "host_bytes": 0}
         # L3 reads finish on store threads: their counters have their own lock, never held
         # across a wait, so a finishing read never waits for the cache lock.
         self._l3_lock = threading.Lock()
@@ -317,7 +309,7 @@ class TieredCache:
         with self._lock:
             self._drain()
         if self._unwritten:
-            self._start_writes()  # dirty blocks the TTL just expired
+            self._wb.start()  # dirty blocks the TTL just expired
 
     def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
         """Returns several blocks; all the L3 reads among them are issued at once.
@@ -864,8 +856,8 @@ class TieredCache:
             transits = []
             for key, _, source in owned:
                 transit = self._inflight.pop(key, None)
-                if source is not None and self._is_dirty(key):
-                    self._unwritten.setdefault(key, source)  # never lose a runtime block
+                if source is not None:
+                    self._wb.park(key, source, replace=False)  # never lose a runtime block
                 if transit is not None:
                     transits.append(transit)
         for transit in transits:
@@ -899,19 +891,19 @@ class TieredCache:
                     self._planner.insert(HOST, key, self._clock(), info.nbytes)
                 if in_l1 or host_value is not None:
                     self._unwritten.pop(key, None)
-                elif self._is_dirty(key) and key not in self._unwritten:
-                    self._unwritten[key] = value  # never lose a runtime block
+                else:
+                    self._wb.park(key, value, replace=False)  # never lose a runtime block
                 del self._inflight[key]
                 self._notify_room()
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(key, None)
-                if source is not None and self._is_dirty(key):
-                    self._unwritten.setdefault(key, source)  # never lose a runtime block
+                if source is not None:
+                    self._wb.park(key, source, replace=False)  # never lose a runtime block
             transit.finish(error=e)
             raise
         transit.finish(value=value)
-        self._start_writes()
+        self._wb.start()
         return value
 
     def _load_host(
@@ -994,8 +986,8 @@ class TieredCache:
                 if host_value is not None:
                     self._tiers[HOST].put_reserved(key, host_value, nbytes)
                     self._planner.insert(HOST, key, self._clock(), nbytes)
-                elif self._is_dirty(key):
-                    self._unwritten[key] = value  # written back later; readers are served from it
+                else:
+                    self._wb.park(key, value)  # written back later; readers are served from it
                 self._tiers[tier_index].release(nbytes)
                 transit = self._inflight.pop(key)
                 self._notify_room()
@@ -1006,53 +998,13 @@ class TieredCache:
         if self._room_waiters:
             self._room.notify_all()
 
-    def _is_dirty(self, key: str) -> bool:
-        """Under the lock: is L3 missing the latest value of runtime block ``key``?"""
-        version = self._version.get(key)
-        return version is not None and self._durable.get(key) != version
-
-    def _start_writes(self) -> None:
-        """Starts L3 writes for runtime blocks that left the cache; readers use ``_unwritten``."""
-        if not self._unwritten:
-            return
-        with self._lock:
-            todo = [(k, v, self._version[k]) for k, v in self._unwritten.items()
-                    if k not in self._writes]
-            for key, _, version in todo:
-                self._writes[key] = version
-        for key, value, version in todo:
-            self._write(key, value, version)
-
-    def _write(self, key: str, value: Any, version: int) -> None:
-        try:
-            future = self.store.write(key, _to_host(value))
-        except BaseException as e:
-            self._write_done(key, version, e)
-            return
-        with self._lock:
-            self._futures[key] = future
-        future.add_done_callback(lambda f: self._write_done(key, version, _error_of(f)))
-
-    def _write_done(self, key: str, version: int, error: BaseException | None) -> None:
-        with self._lock:
-            self._writes.pop(key, None)
-            self._futures.pop(key, None)
-            self._written.notify_all()
-            if error is not None:
-                self._write_errors[key] = error  # the block stays in memory for a retry
-                return
-            # A later successful write of the key supersedes its earlier failure.
-            self._write_errors.pop(key, None)
-            self._n["writebacks"] += 1
-            self._n["writeback_bytes"] += self.info(key).nbytes
-            if version > self._durable.get(key, -1):
-                self._durable[key] = version
-            if self._version.get(key) == version:
-                self._unwritten.pop(key, None)
-                self._dirty_bytes -= self._dirty.pop(key, 0)
-            again = key in self._unwritten
-        if again:
-            self._start_writes()
+    def _resident(self, key: str) -> Any:
+        """Under the lock: the value of ``key`` in L1 or L2, or None."""
+        for tier in self._tiers:
+            value = tier.entries.get(key)
+            if value is not None:
+                return value
+        return None
 
     def _read(self, key: str) -> Any:
         return self._time_reads([key], [self.store.read(key)])[0]
@@ -1119,8 +1071,7 @@ class TieredCache:
                     self._pf_count("wasted", self.info(key).nbytes)
                 value = tier.pop(key)
                 tier.release(self.info(key).nbytes)
-                if self._is_dirty(key):
-                    self._unwritten[key] = value  # the write starts after the lock is released
+                self._wb.park(key, value)  # the write starts after the lock is released
 
     def kind(self, key: str) -> str:
         """The access-log kind of a block (``weight``, ``embedding``, ``kv`` or ``other``)."""
@@ -1161,35 +1112,38 @@ class TieredCache:
                 f"runtime block {key!r} has {nbytes} bytes, more than "
                 f"device_bytes={self._tiers[DEVICE].budget}; split it or raise device_bytes"
             )
-        if nbytes > self._writeback_bytes:
+        if nbytes > self._wb.budget:
             raise BudgetError(
                 f"runtime block {key!r} has {nbytes} bytes, more than "
-                f"writeback_bytes={self._writeback_bytes}; split it or raise writeback_bytes"
+                f"writeback_bytes={self._wb.budget}; split it or raise writeback_bytes"
             )
         value = self._tiers[DEVICE].load(array)
         import numpy as np
 
         info = BlockInfo(key, tuple(value.shape), np.dtype(value.dtype), int(value.nbytes))
         deadline = self._deadline()
+        stalled = None  # when the put started waiting for write-back room
+        wb = self._wb
         while True:
             with self._lock:
                 self._drain()
                 transit = self._inflight.get(key)
-                room = self._writeback_bytes - self._dirty_bytes + self._dirty.get(key, 0)
-                if transit is None and nbytes <= room:
+                if transit is None and nbytes <= wb.room(key):
                     self._discard(key)
                     self._runtime[key] = info
                     self._kinds[key] = kind
-                    self._version[key] = self._version.get(key, 0) + 1
-                    self._dirty_bytes += nbytes - self._dirty.get(key, 0)
-                    self._dirty[key] = nbytes
+                    wb.record_put(key, nbytes)
                     self._inflight[key] = transit = _Transit()
                     self._planner.access(key, self._clock())
+                    if stalled is not None:
+                        wb.count_stall(time.perf_counter() - stalled)
                     break
             if transit is not None:
                 transit.wait()
                 continue
-            self._wait_for_writeback_room(key, nbytes, deadline)
+            if stalled is None:
+                stalled = time.perf_counter()
+            wb.wait_for_room(key, nbytes, deadline, self._l3_timeout)
         try:
             if not self._make_room(DEVICE, info.nbytes, None):
                 raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
@@ -1200,34 +1154,12 @@ class TieredCache:
                 self._notify_room()
         except BaseException as e:
             with self._lock:
-                self._unwritten[key] = value
+                wb.park(key, value)
                 self._inflight.pop(key, None)
             transit.finish(error=e)
             raise
         transit.finish(value=value)
-        self._start_writes()
-
-    def _wait_for_writeback_room(self, key: str, nbytes: int, deadline: float | None) -> None:
-        """Outside the lock: writes dirty blocks back and waits until one finishes.
-
-        Raises `StoreError` once ``deadline`` has passed (the write-backs keep failing or hang).
-        """
-        self._write_resident()
-        self._start_writes()
-        with self._lock:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                last = next(reversed(self._write_errors.values()), None)
-                raise StoreError(
-                    f"cannot put runtime block {key!r} ({nbytes} bytes): {self._dirty_bytes} "
-                    f"bytes of runtime blocks are still waiting to be written to store "
-                    f"{self.store.spec}, and writeback_bytes={self._writeback_bytes} leaves no "
-                    f"room after l3_timeout={self._l3_timeout} s"
-                    + (f"; the last write-back failed with: {last}" if last is not None else "")
-                    + ". The blocks stay in memory and are retried; free space in L3 or fix "
-                    "its server, then flush()"
-                )
-            self._written.wait(0.05 if left is None else min(0.05, left))
+        wb.start()
 
     def _discard(self, key: str) -> None:
         """Under the lock: forgets the cached copy of ``key`` (superseded by a new put)."""
@@ -1261,86 +1193,39 @@ class TieredCache:
                         self._pf_count("wasted", self.info(key).nbytes)
                     value = tier.pop(key)
                     tier.release(self.info(key).nbytes)
-                    if self._is_dirty(key):
-                        self._unwritten[key] = value
+                    self._wb.park(key, value)
                     break
             else:
                 return False
-        self._start_writes()
+        self._wb.start()
         return True
 
     def flush(self, *, timeout: float | None = None) -> None:
-        """Writes every dirty runtime block to L3 and waits until all writes are durable.
+        """Writes the latest version of every dirty runtime block to L3 and waits until each is
+        durable (a block put again meanwhile is written again: its newest bytes land last).
 
         Resident blocks stay resident (now clean). A write that fails is retried once within
-        the same call; if it fails again, the first error is raised, and the block stays in
-        memory for the next flush.
+        the same call; if it fails again, its error is raised, and the block stays in memory
+        for the next flush.
 
         Args:
           timeout: seconds to wait; by default the cache's ``l3_timeout``.
 
         Raises:
-          StoreError: a write-back failed (the block stays in memory).
+          StoreError: a write-back failed twice (the block stays in memory).
           TimeoutError: write-backs were still pending after ``timeout``.
         """
-        timeout = self._l3_timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for attempt in (1, 2):
-            self._write_resident()
-            self._start_writes()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self.wait_until_finished(timeout=left)
-                return
-            except StoreError:
-                # A write that started before the store recovered (space freed, server back)
-                # failed; the block is still in memory. Retry each such write once.
-                if attempt == 2 or (deadline is not None and time.monotonic() >= deadline):
-                    raise
-
-    def _write_resident(self) -> None:
-        """Starts writes of the dirty runtime blocks in L1/L2 (they stay resident, then clean)."""
         with self._lock:
             self._drain()
-            resident = [
-                (k, t.entries[k], self._version[k])
-                for t in self._tiers
-                for k in t.entries
-                if self._is_dirty(k) and k not in self._writes
-            ]
-            for key, _, version in resident:
-                self._writes[key] = version
-        for key, value, version in resident:
-            self._write(key, value, version)
+        self._wb.flush(self._l3_timeout if timeout is None else timeout)
 
     def wait_until_finished(self, *, timeout: float | None = None) -> None:
-        """Waits for pending write-backs; raises the first error (the data stays in memory)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = list(self._futures.values())
-                waiting = bool(self._writes) and not pending
-            if not pending and not waiting:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{len(pending)} write-backs still pending after {timeout} s")
-            for future in pending:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    future.result(timeout=left)
-                except Exception:  # recorded by the write's callback
-                    pass
-            if waiting:
-                time.sleep(0.001)
-        self.check_for_errors()
+        """Waits for the write-backs in flight; raises the first error (the data stays in memory)."""
+        self._wb.wait_until_finished(timeout)
 
     def check_for_errors(self) -> None:
         """Raises the first recorded write-back error, once."""
-        with self._lock:
-            errors = list(self._write_errors.values())
-            self._write_errors.clear()
-        if errors:
-            raise errors[0]
+        self._wb.check_for_errors()
 
     # ------------------------------------------------------------------------------ prefetch
 
@@ -1594,8 +1479,8 @@ class TieredCache:
                 elif back:  # refused by L1 (or the copy failed): it stays in L2
                     host.put_reserved(key, raw, nbytes)
                     self._planner.insert(HOST, key, self._clock(), nbytes)
-                elif self._is_dirty(key):
-                    self._unwritten[key] = raw  # never lose a runtime block
+                else:
+                    self._wb.park(key, raw)  # never lose a runtime block
                 del self._inflight[key]
                 self._notify_room()
             transit.finish()  # an access that waited looks again and finds it where it is
@@ -1691,7 +1576,10 @@ class TieredCache:
         Besides the replay fields: ``tiers`` (per tier ``used``, ``budget`` and ``blocks``),
         ``bytes`` (bytes requested, and served from the device, from the host, and from L3),
         ``l3`` (L3 reads, their bytes, and the seconds from issuing each batch of reads until
-        its last one ended) and ``writebacks`` (runtime blocks written to L3: count, bytes).
+        its last one ended) and ``writebacks`` (runtime blocks written to L3: ``count`` and
+        ``bytes``; ``superseded``: writes the store refused because a later version was there;
+        ``stalls`` and ``stall_seconds``: puts that waited for write-back room, and how long;
+        ``dirty_bytes``: bytes not yet durable).
         """
         with self._lock:
             self._drain()
@@ -1704,6 +1592,7 @@ class TieredCache:
             policy = self._planner.describe()
             adm = self._planner.admission
             admission = adm.describe() if adm is not None else None
+            writebacks = dict(self._wb.counts, dirty_bytes=self._wb.dirty_bytes)
             foresight = self._planner.foresight
             if admission is not None and foresight is not None:
                 admission["foresight"] = foresight.describe()
@@ -1743,7 +1632,7 @@ class TieredCache:
                 "miss": n["miss_bytes"],
             },
             "l3": l3,
-            "writebacks": {"count": n["writebacks"], "bytes": n["writeback_bytes"]},
+            "writebacks": writebacks,
         }
 
     def check_budgets(self) -> None:

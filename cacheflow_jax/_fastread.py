@@ -29,7 +29,7 @@ except ImportError:  # a declared dependency; without it every chunk is read by 
     google_crc32c = None
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, ArrayInfo, CorruptBlockError, StoreError
-from cacheflow_jax._futures import _thread_pool
+from cacheflow_jax._futures import thread_pool
 from cacheflow_jax._locations import _CONTEXT_SPEC, _location
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ _FAST_DTYPES = frozenset(
 
 def _file_pool() -> ThreadPoolExecutor:
     """The reader threads of the fast path: as many as TensorStore's file_io_concurrency."""
-    return _thread_pool("read", _CONTEXT_SPEC["file_io_concurrency"]["limit"])
+    return thread_pool("read", _CONTEXT_SPEC["file_io_concurrency"]["limit"])
 
 
 def _read_chunk_file(entry: _Entry, store: str) -> np.ndarray | None:

@@ -220,12 +220,13 @@ class RuntimeReadFuture(StoreFuture):
 
 
 class WriteFuture(StoreFuture):
-    """A runtime-block write; ``result()`` returns ``None`` once the block is durable."""
+    """A runtime-block write; ``result()`` returns ``"written"`` once the block is durable, or
+    ``"superseded"`` when the store already held a later version (nothing was written)."""
 
     __slots__ = ()
 
-    def _value(self, raw: Any, timeout: float | None) -> None:
-        return None
+    def _value(self, raw: Any, timeout: float | None) -> str:
+        return raw
 
     def _error(self, err: BaseException) -> BaseException:
         return StoreError(
@@ -278,7 +279,7 @@ _POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}  # name -> (pid that made
 _POOLS_LOCK = threading.Lock()
 
 
-def _thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
+def thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
     """The process's thread pool called ``name`` (made on first use, and again after a fork,
     whose copy of a pool has no threads)."""
     entry = _POOLS.get(name)

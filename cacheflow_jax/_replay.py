@@ -90,7 +90,7 @@ class TraceStore:
     def read_many(self, keys: Sequence[str]) -> list[_Ready]:
         return [_PRESENT_FUTURE] * len(keys)
 
-    def write(self, key: str, value: Any) -> _Ready:
+    def write(self, key: str, value: Any, *, version: Any = None) -> _Ready:
         return _Ready(None)
 
     @property

@@ -7,13 +7,15 @@ in the store's root (see ``_RUNTIME_FORMAT``), found again on open by listing th
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import secrets
 import struct
 import tempfile
 import urllib.parse
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError
 
@@ -27,10 +29,13 @@ _RUNTIME_FORMAT = """\
 A runtime block file (``_runtime/<percent-encoded key>.block``) is:
   bytes 0-7   magic b"CFJBLK1\\n"
   bytes 8-11  header length H (uint32, little endian; H >= 256, a multiple of 64)
-  bytes 12-H  JSON {"dtype": name, "shape": [...], "crc32": zlib.crc32(payload)}, space padded
+  bytes 12-H  JSON {"dtype": name, "shape": [...], "crc32": zlib.crc32(payload),
+              "writer": id, "seq": n}, space padded ("writer" and "seq" are optional)
   bytes H-    payload: the array's bytes, C order, little endian
 The fixed minimum header lets a header be read with one ranged read; the CRC makes a damaged file
-an error instead of wrong data. Each file is written with a single kvstore write, which is atomic
+an error instead of wrong data. ``writer`` (a process's random id) and ``seq`` (that process's
+write order, see `next_version`) let a store refuse to publish an older write of the same writer
+over a newer one (compare-and-publish); a block of another writer is replaced. Each file is written with a single kvstore write, which is atomic
 on the file driver (write to a temporary file, then rename) and on object stores, so a crash
 never leaves a half-written block that reads as valid.
 """
@@ -58,16 +63,52 @@ def _runtime_name(key: str) -> str:
     return _RUNTIME_PREFIX + urllib.parse.quote(key, safe="-_~") + _RUNTIME_SUFFIX
 
 
-def _encode_runtime(value: np.ndarray) -> bytes:
+# What a write's future gives: the block was published, or a later write of the same writer was
+# already there (compare-and-publish refused this older one; nothing was written).
+WRITTEN, SUPERSEDED = "written", "superseded"
+
+
+class Version(NamedTuple):
+    """The order of one runtime-block write: its writer (a process) and that writer's count."""
+
+    writer: str
+    seq: int
+
+
+def _new_writer() -> None:
+    global _WRITER, _SEQ
+    _WRITER = secrets.token_hex(8)
+    _SEQ = itertools.count(1)
+
+
+_WRITER = ""
+_SEQ = itertools.count(1)
+_new_writer()
+os.register_at_fork(after_in_child=_new_writer)  # a forked child is another writer
+
+
+def next_version() -> Version:
+    """A new version, later than every version this process made before (thread-safe)."""
+    return Version(_WRITER, next(_SEQ))
+
+
+def supersedes(stored: dict, version: Version) -> bool:
+    """Whether a stored block's header (`_parse_runtime_header`) is a later write of the same
+    writer than ``version``: publishing ``version`` over it would lose an update."""
+    return stored.get("writer") == version.writer and stored.get("seq", 0) > version.seq
+
+
+def _encode_runtime(value: np.ndarray, version: Version | None = None) -> bytes:
     """Serializes one runtime block (see ``_RUNTIME_FORMAT``)."""
     import numpy as np
 
     if value.dtype.byteorder == ">":
         value = value.astype(value.dtype.newbyteorder("<"))
     payload = np.ascontiguousarray(value).tobytes()
-    header = json.dumps(
-        {"dtype": value.dtype.name, "shape": list(value.shape), "crc32": zlib.crc32(payload)}
-    ).encode()
+    fields = {"dtype": value.dtype.name, "shape": list(value.shape), "crc32": zlib.crc32(payload)}
+    if version is not None:
+        fields.update(writer=version.writer, seq=version.seq)
+    header = json.dumps(fields).encode()
     size = max(_RUNTIME_MIN_HEADER, -(-(12 + len(header) + 1) // 64) * 64)
     head = _RUNTIME_MAGIC + struct.pack("<I", size) + header
     return head + b" " * (size - len(head)) + payload

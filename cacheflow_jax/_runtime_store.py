@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from cacheflow_jax._blocks import BlockInfo, StoreError
+from cacheflow_jax._blocks import BlockInfo, CorruptBlockError, StoreError
 from cacheflow_jax._futures import (
     Deadline,
     ReadyFuture,
@@ -31,14 +31,17 @@ from cacheflow_jax._futures import (
     StoreFuture,
     WriteFuture,
     _result,
-    _thread_pool,
     _translate,
+    thread_pool,
 )
 from cacheflow_jax._locations import _location
 from cacheflow_jax._runtime_blocks import (
     _RUNTIME_MIN_HEADER,
     _RUNTIME_PREFIX,
     _RUNTIME_SUFFIX,
+    SUPERSEDED,
+    WRITTEN,
+    Version,
     _atomic_write_file,
     _encode_runtime,
     _numeric,
@@ -46,10 +49,20 @@ from cacheflow_jax._runtime_blocks import (
     _remove_stale_temporaries,
     _runtime_name,
     check_runtime_key,
+    supersedes,
 )
 
 # Write-backs run on their own threads (a write and its read-back block one thread each).
 _WRITE_THREADS = 8
+
+# A local block's compare-and-publish (read the header, write, rename) runs under one of these,
+# picked by the file's path, so that two writes of one file in this process never interleave
+# (writes of different files rarely share a stripe).
+_PUBLISH_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+# How many times a conditional write on an object store is retried when another writer changed
+# the object between the read of its header and the write (each retry reads the header again).
+_PUBLISH_RETRIES = 16
 
 
 def default_runtime_dir(label: str) -> Path:
@@ -141,7 +154,9 @@ class RuntimeArea:
         name = _runtime_name(key)
         return RuntimeReadFuture(self.kv.read(name), key, self.label, self.where(name))
 
-    def write(self, key: str, value: np.ndarray | jax.Array) -> WriteFuture:
+    def write(
+        self, key: str, value: np.ndarray | jax.Array, *, version: Version | None = None
+    ) -> WriteFuture:
         """Starts writing a runtime block; see `TensorStoreStore.write`."""
         check_runtime_key(key, self.label)
         if self._read_only:
@@ -153,9 +168,11 @@ class RuntimeArea:
             )
         info = BlockInfo(key=key, shape=arr.shape, dtype=arr.dtype, nbytes=arr.nbytes)
         name = _runtime_name(key)
-        data = _encode_runtime(arr)
+        data = _encode_runtime(arr, version)
         with self.lock:
-            future = _thread_pool("write", _WRITE_THREADS).submit(self._write_sync, name, data)
+            future = thread_pool("write", _WRITE_THREADS).submit(
+                self._write_sync, key, name, data, version
+            )
             if key not in self.table:
                 self.version += 1
             self.table[key] = info
@@ -165,6 +182,9 @@ class RuntimeArea:
             with self.lock:
                 if self.pending.get(key, (None,))[0] is f:
                     del self.pending[key]
+                    if f.exception() is not None or f.result() == SUPERSEDED:
+                        # What the store holds is not this value: read its header again.
+                        self.table[key] = None
 
         future.add_done_callback(_done)
         return WriteFuture(future, key, self.label, self.where(name))
@@ -173,17 +193,44 @@ class RuntimeArea:
         """Where kvstore key ``name`` lives, for error messages."""
         return _location(self.label, name)
 
-    def _write_sync(self, name: str, data: bytes) -> None:
-        """Writes one runtime block file atomically, then reads it back (on a writer thread)."""
+    def _write_sync(self, key: str, name: str, data: bytes, version: Version | None) -> str:
+        """Publishes one runtime block file atomically and reads it back (on a writer thread).
+
+        With a ``version``, the block is published only if the store does not hold a later
+        write of the same writer (compare-and-publish): on local disk under a lock of this
+        process, on other kvstores by a write conditional on the generation whose header was
+        read.
+
+        Returns:
+          `WRITTEN`, or `SUPERSEDED` when a later version was there (nothing was written).
+        """
         deadline = Deadline(self._timeout)
         what = f"writing {self.where(name)}"
         if self.root is not None:
             path = os.path.join(self.root, name)
-            _atomic_write_file(path, data)
-            with open(path, "rb") as f:
-                back = f.read()
+            with _PUBLISH_LOCKS[hash(path) % len(_PUBLISH_LOCKS)]:
+                if version is not None and self._stored_supersedes(key, name, version, path):
+                    return SUPERSEDED
+                _atomic_write_file(path, data)
+                with open(path, "rb") as f:
+                    back = f.read()
         else:
-            _result(self.kv.write(name, data), deadline, what)
+            for _ in range(_PUBLISH_RETRIES):
+                generation = b""  # unconditional
+                if version is not None:
+                    generation, head = self._read_head(name, deadline)
+                    if head is not None and self._header_supersedes(key, name, head, version):
+                        return SUPERSEDED
+                stamp = _result(self.kv.write(name, data, if_equal=generation), deadline, what)
+                if generation == b"" or stamp.generation != b"":
+                    break  # an empty generation back: the object changed since its header
+            else:
+                raise StoreError(
+                    f"writing runtime block {key!r} to store {self.label} ({self.where(name)}): "
+                    f"the store refused its conditional write {_PUBLISH_RETRIES} times: "
+                    "another writer keeps rewriting the object, or its bucket is missing. The "
+                    "block stays in memory and is retried"
+                )
             res = _result(self.kv.read(name), deadline, f"reading back {self.where(name)}")
             back = res.value if res.state == "value" else None
         if back != data:
@@ -192,6 +239,47 @@ class RuntimeArea:
                 f"{what}: the store acknowledged the write but reading it back gave {got} "
                 f"(expected {len(data)} bytes); the block stays in memory and is retried"
             )
+        return WRITTEN
+
+    def _stored_supersedes(self, key: str, name: str, version: Version, path: str) -> bool:
+        """Whether the local file at ``path`` holds a later write of ``version``'s writer."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_RUNTIME_MIN_HEADER)
+                if len(head) >= 12:
+                    size = int.from_bytes(head[8:12], "little")
+                    if size > len(head):
+                        head += f.read(size - len(head))
+        except FileNotFoundError:
+            return False
+        return self._header_supersedes(key, name, head, version)
+
+    def _read_head(self, name: str, deadline: Deadline) -> tuple[bytes, bytes | None]:
+        """The generation of kvstore key ``name`` and its block header (None: no such key)."""
+        what = f"reading the header of {self.where(name)}"
+        try:
+            head = _result(
+                self.kv.read(name, byte_range=slice(0, _RUNTIME_MIN_HEADER)), deadline, what
+            )
+        except ValueError:  # OUT_OF_RANGE: shorter than any header (damaged); read what is there
+            head = _result(self.kv.read(name), deadline, what)
+        if head.state != "value":
+            return head.stamp.generation, None
+        data = head.value
+        if len(data) >= 12 and int.from_bytes(data[8:12], "little") > len(data):
+            size = int.from_bytes(data[8:12], "little")
+            head = _result(self.kv.read(name, byte_range=slice(0, size)), deadline, what)
+            if head.state != "value":
+                return head.stamp.generation, None
+            data = head.value
+        return head.stamp.generation, data
+
+    def _header_supersedes(self, key: str, name: str, head: bytes, version: Version) -> bool:
+        try:
+            header, _ = _parse_runtime_header(head, key, self.label, self.where(name))
+        except CorruptBlockError:
+            return False  # a damaged block is replaced
+        return supersedes(header, version)
 
     def _load_info(self, key: str) -> BlockInfo:
         """Reads a listed runtime block's header (one ranged read) and remembers its info."""

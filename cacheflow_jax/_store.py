@@ -111,7 +111,7 @@ from cacheflow_jax._orbax_open import (
     manifest_location,
     parent_location,
 )
-from cacheflow_jax._runtime_blocks import _RUNTIME_PREFIX, _numeric
+from cacheflow_jax._runtime_blocks import _RUNTIME_PREFIX, Version, _numeric
 from cacheflow_jax._runtime_store import (
     RuntimeArea,
     clean_local,
@@ -452,7 +452,9 @@ class TensorStoreStore:
             for key, entry in zip(keys, entries, strict=True)
         ]
 
-    def write(self, key: str, value: np.ndarray | jax.Array) -> WriteFuture:
+    def write(
+        self, key: str, value: np.ndarray | jax.Array, *, version: Version | None = None
+    ) -> WriteFuture:
         """Starts writing a runtime block (for example a KV block) under ``_runtime/``.
 
         Runtime blocks go to the store's runtime location (`runtime_spec`): the store itself
@@ -467,17 +469,21 @@ class TensorStoreStore:
           key: a non-empty key without ``@`` (chunk keys are read-only); see
             `check_runtime_key`.
           value: the block; copied before this returns, so the caller may reuse the buffer.
+          version: the write's place in its writer's order (`next_version`); the store then
+            refuses to publish it over a later version of the same writer (compare-and-publish),
+            so a write-back still in flight never replaces a newer one. None: always publish.
 
         Returns:
-          A future whose ``result()`` returns ``None`` once the block is durable, and raises
-          `StoreError` if it could not be written or read back.
+          A future whose ``result()`` returns ``"written"`` once the block is durable, or
+          ``"superseded"`` when a later version was already stored (nothing was written), and
+          raises `StoreError` if it could not be written or read back.
 
         Raises:
           TypeError: ``key`` is not a str.
           ValueError: ``key`` cannot name a runtime block, ``value`` is not a numeric array,
             or the store is read-only.
         """
-        return self._rt.write(key, value)
+        return self._rt.write(key, value, version=version)
 
     # ---- Beyond the protocol
 

@@ -1,6 +1,6 @@
 """The fault suite's tally: per fault, how many were injected, detected, served wrong or lost.
 
-Tests in ``test_faults.py`` record what they injected and what came of it; ``conftest.py`` prints
+Tests in ``test_faults.py`` (and ``test_writeback.py``) record what they injected and what came of it; ``conftest.py`` prints
 the table at the end of the run (and writes it to ``$CACHEFLOW_FAULT_REPORT`` if set).
 """
 

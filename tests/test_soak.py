@@ -18,4 +18,5 @@ def test_soak_8_threads_10_seconds(tmp_path: Path) -> None:
     assert result["hangs"] == 0, result
     assert result["errors"] == 0, result
     assert result["lost_after_flush"] == 0, result
+    assert result["lost_updates"] == 0 and result["reputs"] > 100, result
     assert result["rss_flat"], result

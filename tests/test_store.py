@@ -293,7 +293,7 @@ def test_runtime_blocks_write_read_reopen(tmp_path: Path) -> None:
         assert store.info(k).shape == np.shape(v) and store.info(k).runtime
         assert same_bits(store.read(k).result(), np.asarray(v))
     for f in futures:
-        assert f.result() is None
+        assert f.result() == "written"
     assert list(store.keys()) == ["a@0", *blocks]
     reopened = open_store(tmp_path / "s")
     assert set(reopened.keys()) == {"a@0", *blocks}

@@ -243,7 +243,12 @@ def lfu(
         sims = state.sims
         if sims is not None and (not sims.mask or key in sims.members):
             if hit:
-                nbytes = window.get(key) or state.protected.get(key) or state.probation[key]
+                # (``None`` tests, not ``or``: a zero-length block has 0 bytes)
+                nbytes = window.get(key)
+                if nbytes is None:
+                    nbytes = state.protected.get(key)
+                    if nbytes is None:
+                        nbytes = state.probation[key]
                 jump = sims.step(key, nbytes, True, state.resident, state.count, state.share)
                 if jump is not None:
                     _jump(state, jump)
