@@ -91,6 +91,9 @@ class MetadataStore:
         except KeyError:
             raise KeyError(f"no block {key!r} in store {self.spec}") from None
 
+    def holds(self, key: str) -> bool:
+        return key in self._infos
+
     def keys(self) -> Sequence[str]:
         return self._keys
 

@@ -3,7 +3,7 @@
 Run: ``python -m bench.policies [--quick] [--traces PATH ...] [--sizes 1%,5%,10%,20%]
 [--out bench/out] [--set NAME=VALUE ...] [--synthetic] [--demo]`` (or ``cacheflow bench policies``).
 
-By default it replays every shared trace with keys (the 19 of ``shared/traces/``; the Azure files
+By default it replays every shared trace with keys (the 19 of ``data/traces/``; the Azure files
 list no keys) at 1/5/10/20% of each trace's distinct bytes, one tier (host bytes 0). Ours, through
 `cacheflow_jax.replay` (the live cache's objects): ``lfu`` (the default), ``lru`` and ``belady``
 (the offline optimum). The peers, through the ``libcachesim`` package on the same accesses with
@@ -54,7 +54,7 @@ GAP_MIN = 0.001  # LRU - Belady below this: the gap-closed ratio would be noise
 
 
 def shared_traces_dir() -> str:
-    """The shared trace folder: ``$CACHEFLOW_TRACES``, else ``shared/traces`` in a parent folder.
+    """The trace folder: ``$CACHEFLOW_TRACES``, else the project's own ``data/traces``.
 
     Raises:
       FileNotFoundError: neither exists (the message says where it looked).
@@ -62,20 +62,13 @@ def shared_traces_dir() -> str:
     env = os.environ.get("CACHEFLOW_TRACES")
     if env:
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    looked = []
-    while True:
-        candidate = os.path.join(here, "shared", "traces")
-        looked.append(candidate)
-        if os.path.isdir(candidate):
-            return candidate
-        parent = os.path.dirname(here)
-        if parent == here:
-            raise FileNotFoundError(
-                "no shared traces folder; set CACHEFLOW_TRACES or pass --traces (looked in "
-                + ", ".join(looked) + ")"
-            )
-        here = parent
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces")
+    if os.path.isdir(here):
+        return here
+    raise FileNotFoundError(
+        f"no trace folder: {here} is missing (it ships with the project); set "
+        "CACHEFLOW_TRACES=DIR or pass --traces"
+    )
 
 
 def shared_traces() -> list[str]:

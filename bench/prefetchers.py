@@ -3,7 +3,7 @@
 Run: ``python -m bench.prefetchers [--quick] [--traces PATH ...] [--sizes 5%] [--workers 2]
 [--epochs 2] [--positions 20000] [--lead 1] [--out bench/out]``.
 
-For each shared trace with keys (``shared/traces/``, read with the project's `read_trace`), it
+For each shared trace with keys (``data/traces/``, read with the project's `read_trace`), it
 trains the predictor MLP on the first 70% (by time, as ``cacheflow train --eval-fraction 0.3``
 splits; small settings: ``--epochs`` passes over at most ``--positions`` sampled positions), then
 replays the last 30% (``--warmup`` at the same cut: the first 70% only warms the cache and the

@@ -1,7 +1,8 @@
 """cacheflow-jax: a three-tier cache (device, host, TensorStore) for JAX inference data.
 
 Public surface (docs/design.md has the contracts): `open_store`, `write_store`, `TieredCache`,
-`serving`, the policies `lfu`, `lru`, `lfu_plain`, `cacheflow_jax.orbax.restore_lazy`, and
+`serving`, the policies `lfu`, `lru`, `lfu_plain`, `cacheflow_jax.orbax.restore_lazy`,
+`cacheflow_jax.kv.prefix_keys` (KV block keys by prefix hash), and
 `cacheflow_jax.metrics` (the cache's counters in Prometheus text format). The command line is
 `cacheflow` (`cacheflow --help`).
 """
@@ -28,6 +29,8 @@ from cacheflow_jax.policies import Policy, get_policy, lfu, lfu_plain, lru
 # Python parts (policies, replay: `cacheflow replay`) start without paying a second for JAX.
 _LAZY = {
     "orbax": ("cacheflow_jax.orbax", None),
+    "kv": ("cacheflow_jax.kv", None),
+    "prefix_keys": ("cacheflow_jax.kv", "prefix_keys"),
     "LazyArray": ("cacheflow_jax.orbax", "LazyArray"),
     "materialize": ("cacheflow_jax.orbax", "materialize"),
     "restore_lazy": ("cacheflow_jax.orbax", "restore_lazy"),
@@ -74,6 +77,7 @@ __all__ = [
     "block_key",
     "get_policy",
     "kind_of",
+    "kv",
     "lfu",
     "lfu_plain",
     "lru",
@@ -81,6 +85,7 @@ __all__ = [
     "orbax",
     "open_store",
     "parse_key",
+    "prefix_keys",
     "restore_lazy",
     "serving",
     "write_store",

@@ -131,6 +131,9 @@ class BlockInfo:
     array: str = ""  # array path; "" for runtime blocks
     index: tuple[int, ...] = ()  # chunk grid index; () for runtime blocks
     origin: tuple[int, ...] = ()  # element offset of the chunk in its array
+    # A pytree block (runtime only): each leaf's (shape, dtype) in order; shape is then
+    # (nbytes,) and dtype uint8, the block's bytes. () for an array.
+    leaves: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
 
     @property
     def runtime(self) -> bool:
@@ -195,6 +198,10 @@ class Store(Protocol):
 
     def info(self, key: str) -> BlockInfo:
         """The block's metadata. Raises ``KeyError`` naming the key and the store."""
+        ...
+
+    def holds(self, key: str) -> bool:
+        """Whether the store has a block under ``key`` (no I/O: what it listed or wrote)."""
         ...
 
     def keys(self) -> Sequence[str]:

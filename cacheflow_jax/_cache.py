@@ -22,6 +22,7 @@ Design note.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import numbers
@@ -30,7 +31,8 @@ import sys
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax._blocks import (
@@ -41,6 +43,7 @@ from cacheflow_jax._blocks import (
     StoreError,
     StoreTimeoutError,
 )
+from cacheflow_jax._pins import Pins
 from cacheflow_jax._planner import REFUSED, Planner
 from cacheflow_jax._prefetch import (
     PrefetchScheduler,
@@ -49,6 +52,7 @@ from cacheflow_jax._prefetch import (
     load_prefetcher,
     new_counters,
 )
+from cacheflow_jax._pytree import TREES, block_info, flatten, is_tree, tree_map
 from cacheflow_jax._runtime_blocks import _numeric, check_runtime_key
 from cacheflow_jax._tiers import (
     PRESENT,
@@ -268,6 +272,8 @@ class TieredCache:
             to_host=_to_host,
         )  # fmt: skip
         self._unwritten = self._wb.parked
+        self._volatile: set[str] = set()  # runtime blocks put with writeback=False
+        self._pins = Pins()  # blocks pinned in L1 by running requests (`pinned`)
         self._n = {"device": 0, "host": 0, "miss": 0, "bytes": 0, "miss_bytes": 0, "host_bytes": 0}
         # L3 reads finish on store threads: their counters have their own lock, never held
         # across a wait, so a finishing read never waits for the cache lock.
@@ -803,6 +809,11 @@ class TieredCache:
         info = self.info(key)
         if self._check_dtypes:
             check_device_dtype(info.dtype, key)  # before anything changes
+            if info.leaves and not self._tiers[DEVICE].holds_trees:
+                raise TypeError(
+                    f"block {key!r} is a pytree block; device_layout='slab' holds arrays only: "
+                    "use device_layout='arrays'"
+                )
         host = self._tiers[HOST] if len(self._tiers) > HOST else None
         if host is not None and key in host.entries:
             self._account(key, "host", now, info.nbytes)
@@ -827,6 +838,8 @@ class TieredCache:
             n["miss_bytes"] += nbytes
         elif where == "host":
             n["host_bytes"] += nbytes
+        if key in self._pins:
+            return  # out of the policy's view while pinned
         if self._plan_access(key, now):
             self._pf_count_use(nbytes, late=False)
         if self._has_ttl:
@@ -857,7 +870,7 @@ class TieredCache:
             for key, _, source in owned:
                 transit = self._inflight.pop(key, None)
                 if source is not None:
-                    self._wb.park(key, source, replace=False)  # never lose a runtime block
+                    self._leave(key, source, replace=False)  # never lose a runtime block
                 if transit is not None:
                     transits.append(transit)
         for transit in transits:
@@ -892,14 +905,14 @@ class TieredCache:
                 if in_l1 or host_value is not None:
                     self._unwritten.pop(key, None)
                 else:
-                    self._wb.park(key, value, replace=False)  # never lose a runtime block
+                    self._leave(key, value, replace=False)  # never lose a runtime block
                 del self._inflight[key]
                 self._notify_room()
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(key, None)
                 if source is not None:
-                    self._wb.park(key, source, replace=False)  # never lose a runtime block
+                    self._leave(key, source, replace=False)  # never lose a runtime block
             transit.finish(error=e)
             raise
         transit.finish(value=value)
@@ -954,6 +967,8 @@ class TieredCache:
                 if victim is None:
                     if prefetch or not self._inflight:
                         return False
+                    if tier_index == DEVICE and self._pins.bytes + nbytes > tier.budget:
+                        return False  # pins hold the room: no transfer will give it back
                     # Every byte is reserved by transfers in flight: wait (without the lock)
                     # until one of them releases room.
                     self._room_waiters += 1
@@ -987,7 +1002,7 @@ class TieredCache:
                     self._tiers[HOST].put_reserved(key, host_value, nbytes)
                     self._planner.insert(HOST, key, self._clock(), nbytes)
                 else:
-                    self._wb.park(key, value)  # written back later; readers are served from it
+                    self._leave(key, value)  # written back later; readers are served from it
                 self._tiers[tier_index].release(nbytes)
                 transit = self._inflight.pop(key)
                 self._notify_room()
@@ -1034,7 +1049,16 @@ class TieredCache:
         planner, popleft = self._planner, reads.popleft
         size_of = self._tiers[DEVICE].sizes.get
         nbytes = 0
-        if planner.unused_blocks or planner.foreseen_blocks():
+        if self._pins:
+            # Hits on pinned blocks are counted, but the policy does not see them (`_pins`).
+            pins, access = self._pins, planner.access
+            for _ in range(count):
+                key = popleft()
+                size = size_of(key) or self.info(key).nbytes
+                nbytes += size
+                if key not in pins and access(key, now):
+                    self._pf_count_use(size, late=False)
+        elif planner.unused_blocks or planner.foreseen_blocks():
             # Some prefetched blocks wait for their first use, or were foreseen (they leave
             # first unless hit again): the planner checks each hit.
             access = planner.access
@@ -1071,7 +1095,7 @@ class TieredCache:
                     self._pf_count("wasted", self.info(key).nbytes)
                 value = tier.pop(key)
                 tier.release(self.info(key).nbytes)
-                self._wb.park(key, value)  # the write starts after the lock is released
+                self._leave(key, value)  # the write starts after the lock is released
 
     def kind(self, key: str) -> str:
         """The access-log kind of a block (``weight``, ``embedding``, ``kv`` or ``other``)."""
@@ -1087,52 +1111,86 @@ class TieredCache:
 
     # ------------------------------------------------------------------------- runtime blocks
 
-    def put(self, key: str, array: Any, *, kind: str = "kv") -> None:
+    def put(self, key: str, value: Any, *, kind: str = "kv", writeback: bool = True) -> None:
         """Stores a runtime block (for example a KV block keyed by prefix hash) in L1.
 
-        The block is written back to L3 when it leaves the cache, and on `flush`. Everything is
-        checked before anything is stored, so a refused put changes nothing.
+        The block is an array, or a pytree of arrays (a ``dict``/``list``/``tuple`` tree, for
+        example per-layer K and V; see `cacheflow_jax._pytree`): one key, one budget entry and
+        one file in L3, and `get` returns the same structure, bitwise, from every tier.
+
+        The put returns once the block is in L1 and counted. It is written back to L3 in the
+        background when it leaves the cache and on `flush`; only when ``writeback_bytes`` is
+        full does a put wait for a write-back to finish (counted in ``stats()["writebacks"]``
+        as a stall). Everything is checked before anything is stored, so a refused put changes
+        nothing.
+
+        Args:
+          key: the block's key (no ``@``).
+          value: the block.
+          kind: its access-log kind.
+          writeback: False for a block that need not be durable (a prefix cache's cold KV can
+            be recomputed): it is dropped, not written, when it leaves the cache, and it does
+            not count against ``writeback_bytes``. Ignored (the block is written back) when L3
+            already holds an earlier version of the key, so that L3 never serves older bytes.
 
         Raises:
-          TypeError: ``key`` is not a str, or ``array`` is not a numeric array.
+          TypeError: ``key`` is not a str, ``value`` is not a numeric array or a pytree of
+            them, or a pytree block with ``device_layout="slab"``.
           ValueError: ``key`` cannot name a runtime block (empty, contains ``'@'``, not valid
-            UTF-8, too long for a file name), or ``kind`` is unknown.
+            UTF-8, too long for a file name), ``kind`` is unknown, or the key is pinned.
           DtypeError: the array's dtype would be narrowed on the device (64-bit with
             ``jax_enable_x64`` off).
-          BudgetError: the block is larger than ``device_bytes`` or ``writeback_bytes``.
+          BudgetError: the block is larger than ``device_bytes`` or ``writeback_bytes``, or
+            than the room that pinned blocks leave in L1.
           StoreError: the write-back budget stayed full for ``l3_timeout`` (L3 is failing).
         """
         check_runtime_key(key, self.store.spec)
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} for {key!r} must be one of {KINDS}")
-        array = _as_block(key, array)
-        nbytes = int(array.nbytes)
-        if nbytes > self._tiers[DEVICE].budget:
+        value = _as_block(key, value)
+        info = block_info(key, value)
+        nbytes = info.nbytes
+        device = self._tiers[DEVICE]
+        if nbytes > device.budget:
             raise BudgetError(
                 f"runtime block {key!r} has {nbytes} bytes, more than "
-                f"device_bytes={self._tiers[DEVICE].budget}; split it or raise device_bytes"
+                f"device_bytes={device.budget}; split it or raise device_bytes"
             )
-        if nbytes > self._wb.budget:
+        if writeback and nbytes > self._wb.budget:
             raise BudgetError(
                 f"runtime block {key!r} has {nbytes} bytes, more than "
                 f"writeback_bytes={self._wb.budget}; split it or raise writeback_bytes"
             )
-        value = self._tiers[DEVICE].load(array)
-        import numpy as np
-
-        info = BlockInfo(key, tuple(value.shape), np.dtype(value.dtype), int(value.nbytes))
+        if info.leaves and not device.holds_trees:
+            raise TypeError(
+                f"cannot put pytree block {key!r}: device_layout='slab' holds arrays only; "
+                "use device_layout='arrays' or put each leaf under its own key"
+            )
+        value = device.load(value)
         deadline = self._deadline()
         stalled = None  # when the put started waiting for write-back room
         wb = self._wb
         while True:
             with self._lock:
                 self._drain()
+                self._pins.check_put(key, nbytes, device.budget)
                 transit = self._inflight.get(key)
-                if transit is None and nbytes <= wb.room(key):
+                durable = writeback or wb.is_dirty(key) or self.store.holds(key)
+                if durable and nbytes > wb.budget:
+                    raise BudgetError(
+                        f"runtime block {key!r} must be written back (L3 holds an earlier "
+                        f"version) and has {nbytes} bytes, more than writeback_bytes="
+                        f"{wb.budget}; raise writeback_bytes"
+                    )
+                if transit is None and (not durable or nbytes <= wb.room(key)):
                     self._discard(key)
                     self._runtime[key] = info
                     self._kinds[key] = kind
-                    wb.record_put(key, nbytes)
+                    if durable:
+                        wb.record_put(key, nbytes)
+                        self._volatile.discard(key)
+                    else:
+                        self._volatile.add(key)
                     self._inflight[key] = transit = _Transit()
                     self._planner.access(key, self._clock())
                     if stalled is not None:
@@ -1145,21 +1203,34 @@ class TieredCache:
                 stalled = time.perf_counter()
             wb.wait_for_room(key, nbytes, deadline, self._l3_timeout)
         try:
-            if not self._make_room(DEVICE, info.nbytes, None):
-                raise BudgetError(f"no room for runtime block {key!r} in L1; this is a bug")
+            if not self._make_room(DEVICE, nbytes, None):
+                raise self._pins.no_room(key, nbytes, device.budget)
             with self._lock:
-                self._tiers[DEVICE].put_reserved(key, value, info.nbytes)
-                self._planner.insert(DEVICE, key, self._clock(), info.nbytes)
+                device.put_reserved(key, value, nbytes)
+                self._planner.insert(DEVICE, key, self._clock(), nbytes)
                 del self._inflight[key]
                 self._notify_room()
         except BaseException as e:
             with self._lock:
-                wb.park(key, value)
+                self._leave(key, value)
                 self._inflight.pop(key, None)
             transit.finish(error=e)
             raise
         transit.finish(value=value)
         wb.start()
+
+    def _leave(self, key: str, value: Any, *, replace: bool = True) -> None:
+        """Under the lock: a runtime block left L1/L2 (or could not go in) with ``value``.
+
+        A dirty block is parked for its write-back; a block put with ``writeback=False`` is
+        dropped and forgotten (a later `get` raises `KeyError`, as for a key never put).
+        """
+        if key in self._volatile:
+            self._volatile.discard(key)
+            self._runtime.pop(key, None)
+            self._kinds.pop(key, None)
+        else:
+            self._wb.park(key, value, replace=replace)
 
     def _discard(self, key: str) -> None:
         """Under the lock: forgets the cached copy of ``key`` (superseded by a new put)."""
@@ -1172,9 +1243,15 @@ class TieredCache:
 
     # ------------------------------------------------------------------------------ control
 
-    def contains(self, key: str) -> bool:
-        """True if ``key`` is resident in L1 or L2."""
-        return self.tier_of(key) is not None
+    def contains(self, key: str | Iterable[str]) -> bool | list[bool]:
+        """True if ``key`` is resident in L1 or L2 (for a list of keys, a list of answers).
+
+        A block only in L3 is not resident: `locate` says where a block is, and
+        `cached_prefix` how many leading blocks of a request any tier holds.
+        """
+        if isinstance(key, str):
+            return self.tier_of(key) is not None
+        return [self.tier_of(k) is not None for k in key]
 
     def tier_of(self, key: str) -> str | None:
         """``"device"``, ``"host"`` or None (only in L3, or in transit)."""
@@ -1184,21 +1261,152 @@ class TieredCache:
         return None
 
     def evict(self, key: str) -> bool:
-        """Evicts ``key`` from L1 and L2 (writing a runtime block back); returns if it was there."""
+        """Evicts ``key`` from L1 and L2 (writing a runtime block back); returns if it was there.
+
+        Raises:
+          ValueError: ``key`` is pinned.
+        """
         with self._lock:
             self._drain()
+            if key in self._pins:
+                raise ValueError(
+                    f"cannot evict {key!r}: it is pinned by a running request (cache.pinned); "
+                    "it leaves when the request releases it"
+                )
             for tier_index, tier in enumerate(self._tiers):
                 if key in tier.entries:
                     if self._planner.remove(tier_index, key):
                         self._pf_count("wasted", self.info(key).nbytes)
                     value = tier.pop(key)
                     tier.release(self.info(key).nbytes)
-                    self._wb.park(key, value)
+                    self._leave(key, value)
                     break
             else:
                 return False
         self._wb.start()
         return True
+
+    # --------------------------------------------------------------- KV: lookup and pins
+
+    def cached_prefix(self, keys: Iterable[str]) -> int:
+        """How many leading ``keys`` the cache holds in any tier (L1, L2, in transit or L3).
+
+        For a request's chain of prefix keys (`cacheflow_jax.kv.prefix_keys`): its first
+        ``cached_prefix(keys)`` blocks need no prefill. Nothing is read, and the policy does not
+        count it as an access.
+        """
+        n = 0
+        for key in keys:
+            if self.locate(key) is None:
+                break
+            n += 1
+        return n
+
+    def locate(self, key: str) -> str | None:
+        """Where ``key`` is, without reading it: ``"device"``, ``"host"`` (L2, or in host memory
+        waiting for its write-back), ``"moving"`` (between tiers), ``"store"`` (L3 only), or
+        None (no such block)."""
+        for tier in self._tiers:
+            if key in tier.entries:
+                return tier.name
+        if key in self._unwritten:
+            return "host"
+        if key in self._inflight:
+            return "moving"
+        if key in self._runtime or self.store.holds(key):
+            return "store"
+        return None
+
+    def get_found(self, keys: Iterable[str]) -> tuple[dict[str, jax.Array], list[str]]:
+        """`get_many` of the blocks that exist; the others are returned instead of raised.
+
+        Returns:
+          ``(blocks, missing)``: a dict of the found keys' blocks (in the order of ``keys``)
+          and the list of keys with no block anywhere (neither put nor in L3).
+
+        Raises:
+          StoreError: as `get_many` (a read failed or timed out); KeyError only for a key that
+            vanished between the lookup and the read.
+        """
+        keys = list(dict.fromkeys(keys))
+        found = [k for k in keys if self.locate(k) is not None]
+        missing = [k for k in keys if self.locate(k) is None]
+        return dict(zip(found, self.get_many(found))), missing
+
+    def get_many_async(self, keys: Iterable[str]) -> Future:
+        """Starts `get_many` on a background thread; returns its `concurrent.futures.Future`.
+
+        Lets a serving loop overlap the L3 reads of queued requests' blocks with the current
+        step (``future.result()`` gives the list of blocks, or raises as `get_many` does).
+        """
+        from cacheflow_jax._futures import thread_pool
+
+        keys = list(keys)
+        return thread_pool("get", 4).submit(self.get_many, keys)
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Iterable[str]) -> Iterator[list[jax.Array]]:
+        """Loads ``keys`` into L1 and keeps them there until the ``with`` block ends.
+
+        For the KV blocks a running request still reads: a pinned block is never evicted or
+        expired, and a put that would need its room is refused (`BudgetError`, naming the
+        pinned bytes). Pins nest; each key is released once per ``pinned`` that took it.
+
+        >>> import cacheflow_jax as cfj, numpy as np
+        >>> cache = cfj.TieredCache(cfj.open_store("memory://doc-pins/", create=True),
+        ...                         device_bytes=1 << 10, host_bytes=0)
+        >>> cache.put("kv:a", np.ones(4, np.float32))
+        >>> with cache.pinned(["kv:a"]) as (a,):
+        ...     float(a.sum()), cache.stats()["tiers"]["device"]["pinned_bytes"]
+        (4.0, 16)
+
+        Raises:
+          KeyError: a key names no block.
+          BudgetError: the blocks cannot all stay in L1 beside the blocks pinned already.
+        """
+        keys = list(keys)
+        values = self._pin(keys)
+        try:
+            yield values
+        finally:
+            self._unpin(keys)
+
+    def _pin(self, keys: list[str]) -> list[jax.Array]:
+        device, pins = self._tiers[DEVICE], self._pins
+        held: dict[str, Any] = {}
+        try:
+            for _ in range(3):  # a block evicted between its get and its pin is got again
+                todo = [k for k in dict.fromkeys(keys) if k not in held]
+                if not todo:
+                    break
+                self.get_many(todo)
+                with self._lock:
+                    self._drain()
+                    for key in todo:
+                        value = self._l1.get(key)
+                        if value is None:
+                            continue
+                        nbytes = device.sizes.get(key)
+                        if pins.add(key, self.info(key).nbytes if nbytes is None else nbytes):
+                            self._planner.remove(DEVICE, key)
+                        held[key] = value
+            left = [k for k in keys if k not in held]
+            if left:
+                with self._lock:
+                    raise pins.no_room(left[0], self.info(left[0]).nbytes, device.budget)
+        except BaseException:
+            self._unpin(list(held))
+            raise
+        return [held[k] for k in keys]
+
+    def _unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            now = self._clock()
+            for key in dict.fromkeys(keys):
+                nbytes = self._pins.remove(key)
+                if nbytes is not None and key in self._l1:
+                    self._planner.insert(DEVICE, key, now, nbytes)
+            self._notify_room()
 
     def flush(self, *, timeout: float | None = None) -> None:
         """Writes the latest version of every dirty runtime block to L3 and waits until each is
@@ -1318,13 +1526,14 @@ class TieredCache:
             self._pf_worker.paused = paused
 
     def reset_counters(self) -> None:
-        """Zeroes the hit, miss and prefetch counters (the cache's contents stay)."""
+        """Zeroes the hit, miss, prefetch and write-back counters (the contents stay)."""
         with self._lock:
             self._drain()
             for name in self._n:
                 self._n[name] = 0
             for name in self._pf:
                 self._pf[name] = 0
+            self._wb.reset_counts()
 
     def close(self) -> None:
         """Stops prefetching and writes every dirty block back (`flush`)."""
@@ -1480,7 +1689,7 @@ class TieredCache:
                     host.put_reserved(key, raw, nbytes)
                     self._planner.insert(HOST, key, self._clock(), nbytes)
                 else:
-                    self._wb.park(key, raw)  # never lose a runtime block
+                    self._leave(key, raw)  # never lose a runtime block
                 del self._inflight[key]
                 self._notify_room()
             transit.finish()  # an access that waited looks again and finds it where it is
@@ -1589,6 +1798,8 @@ class TieredCache:
                 l3: dict[str, Any] = dict(self._l3)
             tiers = {t.name: {"used": t.used, "budget": t.budget, "blocks": len(t.entries)}
                      for t in self._tiers}  # fmt: skip
+            tiers[self._tiers[DEVICE].name]["pinned_bytes"] = self._pins.bytes
+            tiers[self._tiers[DEVICE].name]["pinned_blocks"] = len(self._pins.counts)
             policy = self._planner.describe()
             adm = self._planner.admission
             admission = adm.describe() if adm is not None else None
@@ -1796,7 +2007,30 @@ def _error_of(future: Any) -> BaseException | None:
     return None
 
 
-def _as_block(key: str, array: Any) -> Any:
+def _as_block(key: str, value: Any) -> Any:
+    """``value`` as a block the device holds exactly: a numeric numpy or JAX array, or a pytree
+    of them (`_pytree`), else an error naming the key (and the leaf's path in a tree)."""
+    if not is_tree(value):
+        return _as_array(key, value)
+    leaves, _ = flatten(value, key)
+    for path, leaf in leaves:
+        if not _has_dtype(leaf):
+            raise TypeError(
+                f"cannot put {key!r}: the leaf at {path} is a {type(leaf).__name__}; the leaves "
+                "of a pytree block are numpy or JAX arrays"
+            )
+        _as_array(f"{key}{path}", leaf)
+    return value
+
+
+def _has_dtype(leaf: Any) -> bool:
+    import jax
+    import numpy as np
+
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def _as_array(key: str, array: Any) -> Any:
     """``array`` as a numeric numpy or JAX array that the device holds exactly, else an error."""
     import jax
     import numpy as np
@@ -1840,6 +2074,13 @@ def _narrowed(dtype: Any) -> bool:
 
 
 def _to_host(value: Any) -> np.ndarray:
+    """A block (an array, or a pytree of arrays) as numpy arrays on the host."""
+    if type(value) in TREES:
+        return tree_map(_leaf_to_host, value)
+    return _leaf_to_host(value)
+
+
+def _leaf_to_host(value: Any) -> np.ndarray:
     import jax
     import numpy as np
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError, StoreError, StoreTimeoutError
+from cacheflow_jax._pytree import tree_map
 from cacheflow_jax._runtime_blocks import _decode_runtime
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ class ReadyFuture(StoreFuture):
 
     def result(self, timeout: float | None = None) -> Any:
         """Returns the value (a copy when made with ``copy=True``)."""
-        return self._ready.copy() if self._copy else self._ready
+        return tree_map(np.copy, self._ready) if self._copy else self._ready
 
     def done(self) -> bool:
         """Always True."""

@@ -81,6 +81,9 @@ class TraceStore:
     def arrays(self) -> Mapping[str, ArrayInfo]:
         return {}
 
+    def holds(self, key: str) -> bool:
+        return key in self._sizes
+
     def keys(self) -> Sequence[str]:
         return list(self._sizes)
 

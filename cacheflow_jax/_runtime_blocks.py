@@ -7,6 +7,7 @@ in the store's root (see ``_RUNTIME_FORMAT``), found again on open by listing th
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -15,9 +16,10 @@ import struct
 import tempfile
 import urllib.parse
 import zlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cacheflow_jax._blocks import HOW_TO_REPAIR, CorruptBlockError
+from cacheflow_jax._pytree import flatten, is_tree, unflatten
 
 if TYPE_CHECKING:  # numpy is imported where used: replay imports this module without it
     import numpy as np
@@ -32,6 +34,9 @@ A runtime block file (``_runtime/<percent-encoded key>.block``) is:
   bytes 12-H  JSON {"dtype": name, "shape": [...], "crc32": zlib.crc32(payload),
               "writer": id, "seq": n}, space padded ("writer" and "seq" are optional)
   bytes H-    payload: the array's bytes, C order, little endian
+A pytree block (`_pytree`) has "dtype": "uint8" and "shape": [payload bytes], plus "tree" (its
+structure) and "leaves" ([[dtype, shape], ...]); its payload is the leaves' bytes one after
+another, in the structure's order.
 The fixed minimum header lets a header be read with one ranged read; the CRC makes a damaged file
 an error instead of wrong data. ``writer`` (a process's random id) and ``seq`` (that process's
 write order, see `next_version`) let a store refuse to publish an older write of the same writer
@@ -43,6 +48,7 @@ _RUNTIME_MAGIC = b"CFJBLK1\n"
 _RUNTIME_MIN_HEADER = 256
 
 
+@functools.lru_cache(maxsize=256)
 def _numeric(dtype: np.dtype) -> bool:
     """True for dtypes TensorStore stores: bool, ints, floats (incl. bfloat16), complex."""
     import numpy as np  # (bfloat16's kind is "V" too: only numpy's own void type is refused)
@@ -87,6 +93,11 @@ _new_writer()
 os.register_at_fork(after_in_child=_new_writer)  # a forked child is another writer
 
 
+def writer() -> str:
+    """This process's writer id (see `Version`)."""
+    return _WRITER
+
+
 def next_version() -> Version:
     """A new version, later than every version this process made before (thread-safe)."""
     return Version(_WRITER, next(_SEQ))
@@ -98,14 +109,27 @@ def supersedes(stored: dict, version: Version) -> bool:
     return stored.get("writer") == version.writer and stored.get("seq", 0) > version.seq
 
 
-def _encode_runtime(value: np.ndarray, version: Version | None = None) -> bytes:
-    """Serializes one runtime block (see ``_RUNTIME_FORMAT``)."""
+def _little(value: np.ndarray) -> bytes:
     import numpy as np
 
     if value.dtype.byteorder == ">":
         value = value.astype(value.dtype.newbyteorder("<"))
-    payload = np.ascontiguousarray(value).tobytes()
-    fields = {"dtype": value.dtype.name, "shape": list(value.shape), "crc32": zlib.crc32(payload)}
+    return np.ascontiguousarray(value).tobytes()
+
+
+def _encode_runtime(value: Any, version: Version | None = None) -> bytes:
+    """Serializes one runtime block, an array or a pytree of arrays (see ``_RUNTIME_FORMAT``)."""
+    if is_tree(value):
+        leaves, structure = flatten(value, "")
+        arrays = [leaf for _, leaf in leaves]
+        payload = b"".join(_little(a) for a in arrays)
+        fields: dict[str, Any] = {
+            "dtype": "uint8", "shape": [len(payload)], "crc32": zlib.crc32(payload),
+            "tree": structure, "leaves": [[a.dtype.name, list(a.shape)] for a in arrays],
+        }  # fmt: skip
+    else:
+        payload = _little(value)
+        fields = {"dtype": value.dtype.name, "shape": list(value.shape), "crc32": zlib.crc32(payload)}
     if version is not None:
         fields.update(writer=version.writer, seq=version.seq)
     header = json.dumps(fields).encode()
@@ -130,6 +154,10 @@ def _parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tupl
         header = json.loads(data[12:size])
         header["shape"] = tuple(int(s) for s in header["shape"])
         header["dtype"] = np.dtype(header["dtype"])
+        if "leaves" in header:
+            header["leaves"] = tuple(
+                (tuple(int(n) for n in shape), np.dtype(dtype)) for dtype, shape in header["leaves"]
+            )
     except (ValueError, KeyError, TypeError) as err:
         raise CorruptBlockError(
             f"runtime block {key!r} in store {store} ({where}) has a bad header: {err}. "
@@ -138,8 +166,8 @@ def _parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tupl
     return header, size
 
 
-def _decode_runtime(data: bytes, key: str, store: str, where: str) -> np.ndarray:
-    """Parses and checks one runtime block file."""
+def _decode_runtime(data: bytes, key: str, store: str, where: str) -> Any:
+    """Parses and checks one runtime block file: an array, or a pytree of arrays."""
     import numpy as np
 
     header, size = _parse_runtime_header(data, key, store, where)
@@ -151,7 +179,29 @@ def _decode_runtime(data: bytes, key: str, store: str, where: str) -> np.ndarray
             f"runtime block {key!r} in store {store} is corrupt ({where}): size or CRC32 "
             f"mismatch. {HOW_TO_REPAIR}."
         )
-    return np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
+    if "tree" not in header:
+        return np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
+    sizes = [int(np.prod(sh, dtype=np.int64)) * dt.itemsize for sh, dt in header["leaves"]]
+    if sum(sizes) != len(payload):
+        raise CorruptBlockError(
+            f"runtime block {key!r} in store {store} is corrupt ({where}): its leaves have "
+            f"{sum(sizes)} bytes, its payload {len(payload)}. {HOW_TO_REPAIR}."
+        )
+    leaves, offset = [], 0
+    for leaf_shape, leaf_dtype in header["leaves"]:
+        n = int(np.prod(leaf_shape, dtype=np.int64)) * leaf_dtype.itemsize
+        leaves.append(
+            np.frombuffer(payload, leaf_dtype, n // max(1, leaf_dtype.itemsize), offset)
+            .reshape(leaf_shape).copy()
+        )  # fmt: skip
+        offset += n
+    try:
+        return unflatten(header["tree"], leaves)
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise CorruptBlockError(
+            f"runtime block {key!r} in store {store} ({where}) has a bad tree in its header: "
+            f"{err}. {HOW_TO_REPAIR}."
+        ) from None
 
 
 # A runtime block's file name is its percent-encoded key plus ``.block``; file systems allow 255

@@ -35,6 +35,7 @@ from cacheflow_jax._futures import (
     thread_pool,
 )
 from cacheflow_jax._locations import _location
+from cacheflow_jax._pytree import block_info, leaves_of, tree_map
 from cacheflow_jax._runtime_blocks import (
     _RUNTIME_MIN_HEADER,
     _RUNTIME_PREFIX,
@@ -50,6 +51,7 @@ from cacheflow_jax._runtime_blocks import (
     _runtime_name,
     check_runtime_key,
     supersedes,
+    writer,
 )
 
 # Write-backs run on their own threads (a write and its read-back block one thread each).
@@ -59,6 +61,10 @@ _WRITE_THREADS = 8
 # picked by the file's path, so that two writes of one file in this process never interleave
 # (writes of different files rarely share a stripe).
 _PUBLISH_LOCKS = tuple(threading.Lock() for _ in range(64))
+# The seq of the last version this process published at each local path (under its stripe's
+# lock): a file this process wrote last needs no header read to be compared. Another process's
+# write since is another writer's block, which the compare replaces anyway.
+_PUBLISHED: dict[str, int] = {}
 
 # How many times a conditional write on an object store is retried when another writer changed
 # the object between the read of its header and the write (each retry reads the header again).
@@ -161,12 +167,13 @@ class RuntimeArea:
         check_runtime_key(key, self.label)
         if self._read_only:
             raise ValueError(f"cannot write runtime block {key!r}: store {self.label} is read-only")
-        arr = np.array(value, copy=True, order="C")
-        if not _numeric(arr.dtype):
-            raise ValueError(
-                f"cannot write block {key!r}: dtype {arr.dtype} is not a numeric array dtype"
-            )
-        info = BlockInfo(key=key, shape=arr.shape, dtype=arr.dtype, nbytes=arr.nbytes)
+        arr = tree_map(lambda leaf: np.array(leaf, copy=True, order="C"), value)
+        for leaf in leaves_of(arr):
+            if not _numeric(leaf.dtype):
+                raise ValueError(
+                    f"cannot write block {key!r}: dtype {leaf.dtype} is not a numeric array dtype"
+                )
+        info = block_info(key, arr)
         name = _runtime_name(key)
         data = _encode_runtime(arr, version)
         with self.lock:
@@ -209,11 +216,18 @@ class RuntimeArea:
         if self.root is not None:
             path = os.path.join(self.root, name)
             with _PUBLISH_LOCKS[hash(path) % len(_PUBLISH_LOCKS)]:
-                if version is not None and self._stored_supersedes(key, name, version, path):
-                    return SUPERSEDED
+                if version is not None:
+                    ours = _PUBLISHED.get(path)
+                    if ours is not None and version.writer == writer():
+                        if ours > version.seq:
+                            return SUPERSEDED
+                    elif self._stored_supersedes(key, name, version, path):
+                        return SUPERSEDED
                 _atomic_write_file(path, data)
                 with open(path, "rb") as f:
                     back = f.read()
+                if back == data and version is not None and version.writer == writer():
+                    _PUBLISHED[path] = version.seq
         else:
             for _ in range(_PUBLISH_RETRIES):
                 generation = b""  # unconditional
@@ -310,6 +324,7 @@ class RuntimeArea:
             shape=shape,
             dtype=dtype,
             nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+            leaves=header.get("leaves", ()),
         )
         with self.lock:
             if self.table.get(key, info) is None:

@@ -24,7 +24,8 @@ from cacheflow_jax._embedding import EmbeddingRows
 
 
 class ServingSession:
-    """What ``serving()`` yields: ``get``, ``get_many``, ``put``, ``lookup`` and ``stats``.
+    """What ``serving()`` yields: ``get``, ``get_many``, ``put``, ``lookup``, ``stats``, and for
+    KV blocks ``cached_prefix``, ``get_found`` and ``pinned``.
 
     Without an access log, ``get`` is the cache's own ``get`` (no extra call on the hit path).
     """
@@ -65,11 +66,37 @@ class ServingSession:
         self._log.record_many(keys, req)
         return values
 
-    def put(self, key: str, array: Any, *, kind: str = "kv", req: str | None = None) -> None:
-        """Stores a runtime block (e.g. a KV block); written back to L3 when it leaves."""
-        self.cache.put(key, array, kind=kind)
+    def put(
+        self,
+        key: str,
+        value: Any,
+        *,
+        kind: str = "kv",
+        writeback: bool = True,
+        req: str | None = None,
+    ) -> None:
+        """Stores a runtime block (an array or a pytree of arrays, e.g. a KV block); written
+        back to L3 in the background when it leaves (see `TieredCache.put`)."""
+        self.cache.put(key, value, kind=kind, writeback=writeback)
         if self._log is not None:
             self._log.record(key, req)
+
+    def cached_prefix(self, keys: Iterable[str]) -> int:
+        """How many leading ``keys`` any tier holds (`TieredCache.cached_prefix`)."""
+        return self.cache.cached_prefix(keys)
+
+    def get_found(
+        self, keys: Iterable[str], req: str | None = None
+    ) -> tuple[dict[str, Any], list[str]]:
+        """The blocks that exist, and the keys that do not (`TieredCache.get_found`)."""
+        found, missing = self.cache.get_found(keys)
+        if self._log is not None and found:
+            self._log.record_many(list(found), req)
+        return found, missing
+
+    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[list[Any]]:
+        """Keeps ``keys`` in L1 while a request reads them (`TieredCache.pinned`)."""
+        return self.cache.pinned(keys)
 
     def lookup(self, table: str, ids: Any) -> jax.Array:
         """Returns rows ``ids`` of the stored table ``table``, in order, as a device array.

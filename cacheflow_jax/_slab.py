@@ -234,6 +234,7 @@ class SlabTier(AbstractTier):
     """
 
     name = "device"
+    holds_trees = False  # a line run holds one array
 
     def __init__(
         self,

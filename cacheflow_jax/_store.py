@@ -382,6 +382,11 @@ class TensorStoreStore:
             raise self._missing(key)
         return info
 
+    def holds(self, key: str) -> bool:
+        """Whether there is a block ``key``: a chunk, or a runtime block listed on open or
+        written since (no I/O)."""
+        return key in self._entries or key in self._rt
+
     def keys(self) -> Sequence[str]:
         """Every block key: blocks of stored arrays in array order, then runtime blocks."""
         cached = self._keys_cache

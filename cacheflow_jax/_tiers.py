@@ -13,6 +13,7 @@ import numbers
 from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax._blocks import BudgetError, DtypeError
+from cacheflow_jax._pytree import TREES, leaves_of, tree_map
 
 if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX or numpy
     import jax
@@ -50,6 +51,7 @@ class AbstractTier(abc.ABC):
     budget: int
     used: int
     entries: dict[str, Any]
+    holds_trees = True  # pytree blocks (`_pytree`) as well as arrays
 
     def __init__(self, budget: int, *, setting: str) -> None:
         # numbers.Integral: Python's and numpy's integers (numpy registers its own).
@@ -105,34 +107,57 @@ class DeviceTier(AbstractTier):
         self.device = device if device is not None else jax.devices()[0]
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
+        """The block (an array, or a pytree of arrays: `_pytree`) on the device."""
         return to_device(value, self.device, owned=owned)
 
 
-def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> jax.Array:
-    """``value`` as a ready array on ``device`` (the transfer has finished).
+def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> Any:
+    """``value`` (an array or a pytree of arrays) as ready arrays on ``device``, committed.
 
-    An ``owned`` host block (see `AbstractTier.load`) may become the device array itself where
-    the device's memory is host memory (the CPU backend, with a 64-byte aligned buffer, as
-    `_fastread`'s are): an L2 -> L1 move is then free, as it is in fact. A caller's array is
-    copied: the CPU backend aliases an aligned numpy array whatever ``may_alias`` says (jax
-    0.10), and the caller may write into it later.
+    Every leaf is committed to ``device``, as a block coming from any other tier is, so that a
+    jitted function taking blocks compiles once wherever each came from (an uncommitted array
+    is another cache entry); a leaf already there is not copied. The leaves that move go in one
+    ``jax.device_put`` call. An ``owned`` host block (see `AbstractTier.load`) may become the
+    device array itself where the device's memory is host memory (the CPU backend, with a
+    64-byte aligned buffer, as `_fastread`'s are): an L2 -> L1 move is then free, as it is in
+    fact. A caller's array is copied: the CPU backend aliases an aligned numpy array whatever
+    ``may_alias`` says (jax 0.10), and the caller may write into it later.
 
     Raises:
-      DtypeError: the device changed the dtype (callers check with `check_device_dtype` first).
+      DtypeError: the device changed a dtype (callers check with `check_device_dtype` first).
     """
     import jax
 
-    if isinstance(value, jax.Array) and value.devices() == {device}:
-        return value
-    if not owned and device.platform == "cpu" and not isinstance(value, jax.Array):
-        import numpy as np
+    tree = type(value) in TREES
+    leaves = leaves_of(value) if tree else [value]
+    moving = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array) and leaf.devices() == {device}:
+            if not leaf.committed:
+                # The same buffer, committed (a tenth of what a device_put costs).
+                leaves[i] = jax.make_array_from_single_device_arrays(
+                    leaf.shape, jax.sharding.SingleDeviceSharding(device), [leaf]
+                )
+            continue
+        if not owned and device.platform == "cpu" and not isinstance(leaf, jax.Array):
+            import numpy as np
 
-        value = np.array(value, copy=True)
-    out = jax.device_put(value, device, may_alias=True if owned else None)
-    if out.dtype != value.dtype:
-        raise DtypeError(f"the device changed a block's dtype from {value.dtype} to {out.dtype}")
-    out.block_until_ready()  # the transfer has finished before the bytes count as resident
-    return out
+            leaf = np.array(leaf, copy=True)
+        moving.append((i, leaf))
+    if moving:
+        out = jax.device_put([leaf for _, leaf in moving], device,
+                             may_alias=True if owned else None)  # fmt: skip
+        for (i, leaf), moved in zip(moving, out):
+            if moved.dtype != leaf.dtype:
+                raise DtypeError(
+                    f"the device changed a block's dtype from {leaf.dtype} to {moved.dtype}"
+                )
+            leaves[i] = moved
+        jax.block_until_ready(out)  # the transfer has finished before the bytes count
+    if not tree:
+        return leaves[0]
+    it = iter(leaves)
+    return tree_map(lambda _: next(it), value)
 
 
 class HostTier(AbstractTier):
@@ -150,14 +175,20 @@ class HostTier(AbstractTier):
         super().__init__(budget, setting="host_bytes")
 
     def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
-        import jax
-        import numpy as np
+        if type(value) in TREES:
+            return tree_map(_to_host_tier, value)
+        return _to_host_tier(value)
 
-        if isinstance(value, jax.Array):
-            if all(d.platform == "cpu" for d in value.devices()):
-                return value  # already in host memory, and immutable
-            return np.asarray(jax.device_get(value))
-        return value
+
+def _to_host_tier(value: Any) -> Any:
+    import jax
+    import numpy as np
+
+    if isinstance(value, jax.Array):
+        if all(d.platform == "cpu" for d in value.devices()):
+            return value  # already in host memory, and immutable
+        return np.asarray(jax.device_get(value))
+    return value
 
 
 class MetadataTier(AbstractTier):

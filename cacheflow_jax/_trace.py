@@ -25,7 +25,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cacheflow_jax._blocks import parse_bytes
 

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from cacheflow_jax._blocks import StoreError
+from cacheflow_jax._pytree import leaves_of
 from cacheflow_jax._runtime_blocks import SUPERSEDED, Version, next_version
 
 # Background threads that copy blocks to the host and hand them to the store (whose own threads
@@ -148,7 +149,7 @@ class WriteBack:
         """On a background thread: copies the block to the host and starts the store's write."""
         try:
             host = self._to_host(value)
-            nbytes = int(host.nbytes)
+            nbytes = sum(int(leaf.nbytes) for leaf in leaves_of(host))
             write = self.store.write(key, host, version=version)
         except BaseException as err:
             self._done(key, version, future, 0, None, err)
@@ -231,6 +232,11 @@ class WriteBack:
                 )
             if self.room(key) < nbytes:
                 self._written.wait(0.05 if left is None else min(0.05, left))
+
+    def reset_counts(self) -> None:
+        """Under the lock: zeroes the counters (`TieredCache.reset_counters`)."""
+        for name in self.counts:
+            self.counts[name] = 0
 
     def count_stall(self, seconds: float) -> None:
         """Under the lock: a put waited ``seconds`` for write-back room."""

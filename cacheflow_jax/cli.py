@@ -763,7 +763,7 @@ def _run_train(argv: Sequence[str]) -> int:
 BENCHMARKS = (
     "hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
     "embedding", "gpu_kernels", "stats_speed", "subblocks", "soak", "replay_speed", "prefetchers",
-    "foresight",
+    "foresight", "llm_serving",
 )
 
 

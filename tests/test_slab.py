@@ -187,7 +187,9 @@ def test_budget_is_the_slab_size():
     assert tier.budget == 768 == tier.slab.array.nbytes  # 1000 rounded down to whole lines
     for i in range(4):
         cache.get(f"w@{i},0")
-    assert cache.stats()["tiers"]["device"] == {"used": 768, "budget": 768, "blocks": 3}
+    assert cache.stats()["tiers"]["device"] == {
+        "used": 768, "budget": 768, "blocks": 3, "pinned_bytes": 0, "pinned_blocks": 0
+    }
 
 
 def test_bad_layout_settings_are_named():

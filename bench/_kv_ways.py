@@ -1,0 +1,250 @@
+"""The ways `bench.llm_serving` keeps KV blocks: cacheflow, the peers' schemes, and the limits.
+
+Each way answers three calls of the engine: ``lookup(keys)`` (how many leading blocks it holds,
+without reading them), ``load(keys)`` (the blocks, on the device), ``store(key, block)`` (a block
+just computed); ``queued(keys)`` tells it a request arrived (cacheflow starts bringing its blocks
+up). Blocks are pytrees ``{"k": [L, T, kv], "v": [L, T, kv]}`` of device arrays.
+
+| way | what it is | budgets |
+|---|---|---|
+| `recompute` | no cache: every block is computed (the baseline) | - |
+| `device-lru` | a device-memory prefix cache with LRU eviction, what vLLM's automatic prefix caching does | L1 |
+| `host-lru` | device LRU over a host-memory LRU (blocks evicted from the device go to host memory, a hit there is copied back), what LMCache's CPU backend adds to vLLM | L1 + L2 |
+| `cacheflow` | `TieredCache` (its default policy) with L3 on local disk and the next blocks of queued requests brought up ahead | L1 + L2 + L3 |
+| `all-resident` | every block ever computed stays on the device (the limit) | unbounded |
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def block_bytes(block: dict[str, Any]) -> int:
+    return int(block["k"].nbytes + block["v"].nbytes)
+
+
+class Way:
+    """A way with no cache (`recompute`); the others override the calls."""
+
+    name = "recompute"
+
+    def __init__(self) -> None:
+        self.hits = collections.Counter()  # blocks served by tier, at load time
+        self.put_seconds: list[float] = []
+        self.device_put_seconds: list[float] = []  # a put's yardstick (cacheflow measures it)
+
+    def lookup(self, keys: list[str]) -> int:
+        return 0
+
+    def load(self, keys: list[str]) -> list[dict[str, Any]]:
+        return []
+
+    def store(self, key: str, block: dict[str, Any]) -> None:
+        pass
+
+    def queued(self, keys: list[str]) -> None:
+        pass
+
+    def settle(self) -> None:
+        """After the warm-up: finish background work before the measured requests."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"hits": dict(self.hits)}
+
+    def close(self) -> None:
+        pass
+
+
+class AllResident(Way):
+    """Every block stays on the device."""
+
+    name = "all-resident"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: dict[str, dict[str, Any]] = {}
+
+    def lookup(self, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: list[str]) -> list[dict[str, Any]]:
+        self.hits["device"] += len(keys)
+        return [self.blocks[k] for k in keys]
+
+    def store(self, key: str, block: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self.blocks[key] = block
+        self.put_seconds.append(time.perf_counter() - start)
+
+
+class _Lru:
+    """A byte-budgeted LRU map."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self.items: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def put(self, key: str, value: Any, nbytes: int) -> list[tuple[str, Any, int]]:
+        """Inserts ``key``; returns the entries evicted for it (oldest first)."""
+        out = []
+        while self.items and self.used + nbytes > self.budget:
+            old, (v, n) = self.items.popitem(last=False)
+            self.used -= n
+            out.append((old, v, n))
+        if nbytes <= self.budget:
+            self.items[key] = (value, nbytes)
+            self.used += nbytes
+        return out
+
+    def pop(self, key: str) -> Any:
+        value, nbytes = self.items.pop(key)
+        self.used -= nbytes
+        return value
+
+
+class DeviceLru(Way):
+    """vLLM's prefix cache: device blocks, LRU, evicted blocks are dropped."""
+
+    name = "device-lru"
+
+    def __init__(self, device_bytes: int) -> None:
+        super().__init__()
+        self.l1 = _Lru(device_bytes)
+
+    def lookup(self, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.l1.items:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: list[str]) -> list[dict[str, Any]]:
+        self.hits["device"] += len(keys)
+        out = []
+        for key in keys:
+            self.l1.items.move_to_end(key)
+            out.append(self.l1.items[key][0])
+        return out
+
+    def store(self, key: str, block: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self.l1.put(key, block, block_bytes(block))
+        self.put_seconds.append(time.perf_counter() - start)
+
+
+class HostLru(DeviceLru):
+    """LMCache's CPU backend under vLLM: device LRU, its evictions kept in a host LRU."""
+
+    name = "host-lru"
+
+    def __init__(self, device_bytes: int, host_bytes: int) -> None:
+        super().__init__(device_bytes)
+        self.l2 = _Lru(host_bytes)
+
+    def lookup(self, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.l1.items and key not in self.l2.items:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: list[str]) -> list[dict[str, Any]]:
+        out = []
+        for key in keys:
+            if key in self.l1.items:
+                self.hits["device"] += 1
+                self.l1.items.move_to_end(key)
+                out.append(self.l1.items[key][0])
+                continue
+            self.hits["host"] += 1
+            host = self.l2.pop(key)
+            block = jax.tree.map(jax.device_put, host)
+            self._to_l1(key, block)
+            out.append(block)
+        return out
+
+    def store(self, key: str, block: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self._to_l1(key, block)
+        self.put_seconds.append(time.perf_counter() - start)
+
+    def _to_l1(self, key: str, block: dict[str, Any]) -> None:
+        for old, value, nbytes in self.l1.put(key, block, block_bytes(block)):
+            self.l2.put(old, jax.tree.map(np.asarray, jax.device_get(value)), nbytes)
+
+
+class Cacheflow(Way):
+    """`TieredCache` over a local zarr3 store, with the queued requests' blocks brought up."""
+
+    name = "cacheflow"
+
+    def __init__(self, device_bytes: int, host_bytes: int, root: Path, *,
+                 prefetch: bool = True) -> None:  # fmt: skip
+        import cacheflow_jax as cfj
+
+        super().__init__()
+        self.cache = cfj.TieredCache(cfj.open_store(root, create=True),
+                                     device_bytes=device_bytes, host_bytes=host_bytes)  # fmt: skip
+        self.prefetch = prefetch
+        self.device = jax.devices()[0]
+        self._ahead: list[Any] = []
+
+    def lookup(self, keys: list[str]) -> int:
+        return self.cache.cached_prefix(keys)
+
+    def load(self, keys: list[str]) -> list[dict[str, Any]]:
+        for key in keys:
+            where = self.cache.locate(key)
+            self.hits["device" if where == "device" else "store" if where == "store" else "host"] += 1
+        return self.cache.get_many(keys)
+
+    def store(self, key: str, block: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self.cache.put(key, block)
+        self.put_seconds.append(time.perf_counter() - start)
+        if len(self.put_seconds) % 4 == 0:
+            # The yardstick, in the same run and under the same write-back load: a
+            # jax.device_put of the same block (from a host copy made outside the timing).
+            host = jax.tree.map(np.array, block)
+            start = time.perf_counter()
+            jax.block_until_ready(jax.device_put(host, self.device))
+            self.device_put_seconds.append(time.perf_counter() - start)
+
+    def queued(self, keys: list[str]) -> None:
+        if not self.prefetch:
+            return
+        n = self.cache.cached_prefix(keys)
+        if n:
+            self._ahead = [f for f in self._ahead if not f.done()]
+            self._ahead.append(self.cache.get_many_async(keys[:n]))
+
+    def settle(self) -> None:
+        for future in self._ahead:
+            future.result()
+        self._ahead = []
+        self.cache.flush()
+        self.cache.reset_counters()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.cache.stats()
+        return {"hits": dict(self.hits), "writebacks": s["writebacks"],
+                "cache_hits": s["hits"], "cache_misses": s["misses"]}  # fmt: skip
+
+    def close(self) -> None:
+        for future in self._ahead:
+            future.result()
+        self.cache.flush()
