@@ -741,7 +741,9 @@ while True:
         # Blocks of 12 keys (up to 256 KiB each) in 2 MiB of L1+L2: puts evict, so write-backs
         # run all the time. Sizes change between versions, so a torn or reused file shows.
         size = 65536 - 8192 * (version % 7)
-        cache.put(f"kv:{i}", np.full(size, version * 1000 + i, np.int32))
+        block = np.full(size, version * 1000 + i, np.int32)
+        # Every other key is a pytree block (per-layer K and V under one key, one file).
+        cache.put(f"kv:{i}", block if i % 2 else {"k": [block[: size // 2]], "v": [block[size // 2 :]]})
     cache.flush()
     print(version, flush=True)  # every block of this version is durable now
     if once:
@@ -763,6 +765,11 @@ def _check_durable(root: Path, n: int, durable: int) -> tuple[int, int]:
         except (StoreError, KeyError):
             lost += 1
             continue
+        if i % 2 == 0:  # a pytree block: its two halves, whole and of one version
+            if not isinstance(value, dict) or set(value) != {"k", "v"}:
+                lost += 1
+                continue
+            value = np.concatenate([value["k"][0], value["v"][0]])
         version, rest = divmod(int(value[0]), 1000)
         whole = value.shape == (_size(version),) and (value == value[0]).all()
         if whole and rest == i and version >= durable:
