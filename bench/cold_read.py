@@ -54,7 +54,7 @@ from bench._common import (
 )
 from bench._common import timed as _seconds
 from cacheflow_jax import open_store, write_store
-from cacheflow_jax._cache import TieredCache
+from cacheflow_jax.cache.tiered import TieredCache
 
 NAME = "cold_read"
 ARRAY = "x"

@@ -44,8 +44,8 @@ import numpy as np
 
 from bench._common import Report, check_runs, fmt_ratio, parser, summarize
 from cacheflow_jax import write_store
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._serving import serving
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.session.session import serving
 
 NAME = "embedding"
 LAYOUTS = ("slab", "arrays")
@@ -169,7 +169,7 @@ def embedding_part(args, report: Report) -> None:
 
 
 def demo_part(args, report: Report) -> None:
-    from cacheflow_jax._demo import (
+    from cacheflow_jax.cli.demo import (
         DemoSettings,
         default_workdir,
         demo_text,
@@ -179,7 +179,7 @@ def demo_part(args, report: Report) -> None:
         serve_pass,
         text_steps,
     )
-    from cacheflow_jax._store import open_store
+    from cacheflow_jax.store.tensorstore_store import open_store
 
     settings = DemoSettings(requests=args.demo_requests, progress=False)
     config = settings.model_config()

@@ -21,9 +21,9 @@ from pathlib import Path
 import predictor
 from bench.policies import shared_traces_dir
 from cacheflow_jax import _planner
-from cacheflow_jax._prefetch import PrefetchSettings
-from cacheflow_jax._replay import replay
-from cacheflow_jax._trace import parse_size, read_trace
+from cacheflow_jax.prefetch.scheduler import PrefetchSettings
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.reader import parse_size, read_trace
 
 
 def _run(paths: list[Path], sizes: list[str]) -> dict[str, float]:

@@ -32,7 +32,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from bench._common import Report, check_runs, parser, summarize
-from cacheflow_jax._slab import SlabTier
+from cacheflow_jax.tiers.slab import SlabTier
 
 NAME = "gpu_kernels"
 

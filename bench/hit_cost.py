@@ -44,8 +44,8 @@ from bench._common import (
     timed,
 )
 from cacheflow_jax import write_store
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._serving import serving
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.session.session import serving
 
 NAME = "hit_cost"
 BLOCK_FLOATS = 256  # 1 KiB blocks: the hit path never touches the data, so size does not matter

@@ -40,8 +40,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from cacheflow_jax._replay import replay
-from cacheflow_jax._trace import parse_size, read_trace
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.reader import parse_size, read_trace
 
 DEFAULT = "lfu"
 OURS = [DEFAULT, "lru", "belady"]

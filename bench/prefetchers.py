@@ -55,9 +55,9 @@ def _predictor(name: str, checkpoint: str | None, hedge: int | None = None):
 def _job(args: tuple) -> dict:
     """Trains the MLP on one trace's head and replays every option on its tail."""
     path, sizes, epochs, positions, lead, limit, hedge, adaptive = args
-    from cacheflow_jax._prefetch import PrefetchSettings
-    from cacheflow_jax._replay import replay
-    from cacheflow_jax._trace import parse_size, read_trace, split_point, write_log
+    from cacheflow_jax.prefetch.scheduler import PrefetchSettings
+    from cacheflow_jax.replay.engine import replay
+    from cacheflow_jax.trace.reader import parse_size, read_trace, split_point, write_log
     from training import train
 
     trace = read_trace(path, limit=limit)

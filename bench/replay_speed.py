@@ -43,7 +43,7 @@ TARGET = 0.5
 
 _PEER = r"""
 import sys, time
-from cacheflow_jax._trace import parse_size, read_trace
+from cacheflow_jax.trace.reader import parse_size, read_trace
 import libcachesim as lcs
 trace = read_trace(sys.argv[1])
 budget = parse_size(sys.argv[2], total=trace.distinct_bytes(), largest=int(trace.nbytes.max()),

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench._common import Report, Target, check_runs, fmt_ratio, parser, summarize, timed
-from cacheflow_jax._replay import replay
-from cacheflow_jax._stats import trace_stats
-from cacheflow_jax._trace import parse_size, read_trace
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.stats import trace_stats
+from cacheflow_jax.trace.reader import parse_size, read_trace
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
 DEFAULT_TRACES = [

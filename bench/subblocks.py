@@ -51,7 +51,7 @@ import tensorstore as ts
 
 from bench._common import Report, check_runs, fmt_ratio, parser, summarize, timed
 from cacheflow_jax import TieredCache, open_store, serving, write_store
-from cacheflow_jax._demo import drop_page_cache
+from cacheflow_jax.cli.demo import drop_page_cache
 
 NAME = "subblocks"
 STORES = ("orbax", "zarr3-raw", "write_store")

@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.policies import shared_traces_dir
-from cacheflow_jax._replay import replay
-from cacheflow_jax._trace import parse_size, read_trace
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.reader import parse_size, read_trace
 
 TARGET = 0.01
 

@@ -9,7 +9,7 @@ Public surface (docs/design.md has the contracts): `open_store`, `write_store`, 
 
 import importlib
 
-from cacheflow_jax._blocks import (
+from cacheflow_jax.core.blocks import (
     ArrayInfo,
     BlockInfo,
     BudgetError,
@@ -21,8 +21,8 @@ from cacheflow_jax._blocks import (
     block_key,
     parse_key,
 )
-from cacheflow_jax._cache import TieredCache, kind_of
-from cacheflow_jax._prefetch import PrefetchSettings
+from cacheflow_jax.cache.tiered import TieredCache, kind_of
+from cacheflow_jax.prefetch.scheduler import PrefetchSettings
 from cacheflow_jax.policies import Policy, get_policy, lfu, lfu_plain, lru
 
 # Names from modules that import JAX, TensorStore or orbax load on first use, so that the pure
@@ -34,11 +34,11 @@ _LAZY = {
     "LazyArray": ("cacheflow_jax.orbax", "LazyArray"),
     "materialize": ("cacheflow_jax.orbax", "materialize"),
     "restore_lazy": ("cacheflow_jax.orbax", "restore_lazy"),
-    "ServingSession": ("cacheflow_jax._serving", "ServingSession"),
-    "serving": ("cacheflow_jax._serving", "serving"),
-    "TensorStoreStore": ("cacheflow_jax._store", "TensorStoreStore"),
-    "open_store": ("cacheflow_jax._store", "open_store"),
-    "write_store": ("cacheflow_jax._store", "write_store"),
+    "ServingSession": ("cacheflow_jax.session.session", "ServingSession"),
+    "serving": ("cacheflow_jax.session.session", "serving"),
+    "TensorStoreStore": ("cacheflow_jax.store.tensorstore_store", "TensorStoreStore"),
+    "open_store": ("cacheflow_jax.store.tensorstore_store", "open_store"),
+    "write_store": ("cacheflow_jax.store.tensorstore_store", "write_store"),
 }
 
 

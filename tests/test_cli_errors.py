@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cacheflow_jax._store import write_store
+from cacheflow_jax.store.tensorstore_store import write_store
 from cacheflow_jax.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cacheflow_jax._demo import DemoError, demo_text, text_steps
-from cacheflow_jax._demo_model import (
+from cacheflow_jax.cli.demo import DemoError, demo_text, text_steps
+from cacheflow_jax.cli.demo_model import (
     MoEConfig,
     MoEStack,
     build,

@@ -36,7 +36,8 @@ def _table_rows(section: str) -> list[list[str]]:
 
 
 def _module_map() -> dict[str, list[str]]:
-    """module -> what it may import; a name followed by "(types only)" is kept as "name:types"."""
+    """row (a package ``x/*`` or a module) -> what it may import; a name followed by
+    "(types only)" is kept as "name:types"."""
     out = {}
     for row in _table_rows(_section("Module map")):
         module = row[0].strip("`")
@@ -56,6 +57,12 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return out
 
 
+def _module_name(path: Path) -> str:
+    return path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".").removesuffix(
+        ".__init__"
+    )
+
+
 def _imports(path: Path) -> set[str]:
     """The project modules ``path`` imports, anywhere in the file (absolute names); an import
     made only for type checkers is ``"name:types"``."""
@@ -70,6 +77,7 @@ def _imports(path: Path) -> set[str]:
             names = [node.module] + [
                 f"{node.module}.{a.name}" for a in node.names
                 if (ROOT / node.module.replace(".", "/") / f"{a.name}.py").is_file()
+                or (ROOT / node.module.replace(".", "/") / a.name / "__init__.py").is_file()
             ]  # fmt: skip
         else:
             continue
@@ -91,41 +99,109 @@ def _allowed(name: str, allowed: list[str]) -> bool:
 
 
 def _row_for(path: Path, rows: dict[str, list[str]]) -> str | None:
+    """The most specific row for ``path``: the module itself, else its innermost package."""
     rel = path.relative_to(ROOT).as_posix()
     if rel in rows:
         return rel
-    package = f"{rel.split('/')[0]}/*"
-    return package if package in rows else None
+    parts = rel.split("/")[:-1]
+    while parts:
+        package = "/".join(parts) + "/*"
+        if package in rows:
+            return package
+        parts.pop()
+    return None
+
+
+def _library_files() -> list[Path]:
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
 
 
 def test_module_map_lists_every_module_and_allows_its_imports() -> None:
     rows = _module_map()
     problems = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            row = _row_for(path, rows)
-            if row is None:
-                problems.append(f"{path.relative_to(ROOT)} has no row in the module map")
+    for path in _library_files():
+        row = _row_for(path, rows)
+        if row is None:
+            problems.append(f"{path.relative_to(ROOT)} has no row in the module map")
+            continue
+        allowed = rows[row]
+        own = _module_name(path)
+        # A package's modules may import each other (the cycle test below keeps them acyclic).
+        home = row.removesuffix("/*").replace("/", ".") if row.endswith("/*") else own
+        for name in sorted(_imports(path)):
+            plain = name.partition(":")[0]
+            if plain == own or plain == home or plain.startswith(home + ".") or _allowed(name, allowed):
                 continue
-            allowed = rows[row]
-            own = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
-            own = own.removesuffix(".__init__")  # a package's __init__ is the package itself
-            for name in sorted(_imports(path)):
-                if name.partition(":")[0] == own or _allowed(name, allowed):
-                    continue
-                problems.append(f"{path.relative_to(ROOT)} imports {name}, not in its row {row}")
+            problems.append(f"{path.relative_to(ROOT)} imports {name}, not in its row {row}")
     assert not problems, "docs/design.md's module map is out of date:\n" + "\n".join(problems)
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (at run time, in functions, or for types)."""
+    modules = {_module_name(p): p for p in _library_files()}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imp in _imports(path):
+            target = imp.partition(":")[0]
+            while target and target not in modules:  # `from pkg.mod import name` -> pkg.mod
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    bad = []
+    for path in _library_files():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] not in PROJECT:
+                    continue
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        bad.append(f"{path.relative_to(ROOT)}: {node.module}.{alias.name}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
 def test_module_map_forbids_what_the_design_forbids() -> None:
     rows = _module_map()
     # The cache sees a predictor only as the protocol's type, and never the training script.
-    cache = rows["cacheflow_jax/_cache.py"]
+    cache = rows["cacheflow_jax/cache/*"]
     assert [a for a in cache if a.startswith("predictor")] == ["predictor:types"]
     assert not any(a.startswith("training") for a in cache)
     assert _allowed("predictor:types", cache) and not _allowed("predictor", cache)
     assert rows["pallas_kernels/*"] == ["pallas_kernels"]
-    assert "training" not in " ".join(rows["cacheflow_jax/cli.py"])
+    assert "training" not in " ".join(rows["cacheflow_jax/cli/*"])
+    # Each layer imports only downward: no package imports one listed after it in the table.
+    order = [r for r in rows if r.startswith("cacheflow_jax/") and r.endswith("/*")]
+    for i, row in enumerate(order):
+        later = {o.removesuffix("/*").replace("/", ".") for o in order[i + 1:]}
+        assert not [a for a in rows[row] if a.partition(":")[0] in later], row
 
 
 def test_design_covers_the_contracts() -> None:

@@ -23,7 +23,7 @@ import tensorstore as ts
 from _faults import record
 
 import cacheflow_jax as cfj
-from cacheflow_jax._blocks import StoreError
+from cacheflow_jax.core.blocks import StoreError
 
 MiB = 1 << 20
 
@@ -507,7 +507,7 @@ def test_a_bad_key_does_not_stop_the_access_log(tmp_path: Path) -> None:
 
 
 def test_access_log_skips_and_counts_records_it_cannot_describe(tmp_path: Path) -> None:
-    from cacheflow_jax._access_log import AccessLogWriter
+    from cacheflow_jax.trace.writer import AccessLogWriter
 
     def describe(key: str) -> tuple[int, str]:
         if key.startswith("gone"):
@@ -526,7 +526,7 @@ def test_access_log_skips_and_counts_records_it_cannot_describe(tmp_path: Path) 
 def test_access_log_memory_is_bounded_and_drops_are_counted(tmp_path: Path) -> None:
     import threading
 
-    from cacheflow_jax._access_log import AccessLogWriter
+    from cacheflow_jax.trace.writer import AccessLogWriter
 
     gate = threading.Event()
 

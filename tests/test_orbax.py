@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import cacheflow_jax as cfj
-from cacheflow_jax._blocks import block_key
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._store import open_store, write_store
+from cacheflow_jax.core.blocks import block_key
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.store.tensorstore_store import open_store, write_store
 from cacheflow_jax.orbax import LazyArray, materialize, restore_lazy
 
 MiB = 2**20

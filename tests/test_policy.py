@@ -19,10 +19,10 @@ from _lfu_reference import ReferenceLfu
 from hypothesis import given, settings
 
 from cacheflow_jax import lfu, lfu_plain, lru
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._replay import TraceStore, replay
-from cacheflow_jax._tiers import MetadataTier
-from cacheflow_jax._trace import Trace
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.replay.engine import TraceStore, replay
+from cacheflow_jax.tiers.memory import MetadataTier
+from cacheflow_jax.trace.reader import Trace
 from cacheflow_jax.policies import POLICIES, get_policy
 from cacheflow_jax.policies.belady import belady
 
@@ -305,7 +305,7 @@ def test_a_jump_down_gives_the_window_to_probation_and_holds_a_loop():
 def test_shadows_sample_the_keys_of_a_large_cache():
     # 3000 resident blocks: the rate halves until a shadow holds 32-64 blocks (1/64 here); the
     # shadows hold only sampled keys, within their share of the bytes.
-    from cacheflow_jax.policies._minisim import key_hash
+    from cacheflow_jax.policies.minisim import key_hash
 
     rng = random.Random(2)
     keys = [f"k{rng.randrange(6000)}" for _ in range(30000)]

@@ -12,7 +12,7 @@ import pytest
 
 import cacheflow_jax as cfj
 import predictor
-from cacheflow_jax._tiers import MetadataTier
+from cacheflow_jax.tiers.memory import MetadataTier
 
 ROW = 256  # float32 elements per block: 1 KiB blocks
 KIB = 1024
@@ -372,8 +372,8 @@ def test_a_predictor_checkpoint_path_loads_and_a_damaged_one_serves_without_pref
 
 
 def test_replay_with_prefetch_lead_and_keys_known(tmp_path: Path) -> None:
-    from cacheflow_jax._replay import replay
-    from cacheflow_jax._trace import read_trace
+    from cacheflow_jax.replay.engine import replay
+    from cacheflow_jax.trace.reader import read_trace
 
     keys = [f"kv:{i}" for i in (1, 2, 3, 4, 5, 6, 7, 8)] * 30
     path = tmp_path / "loop.txt"
@@ -404,7 +404,7 @@ def test_replay_with_prefetch_lead_and_keys_known(tmp_path: Path) -> None:
 
 
 def _planner(*, adaptive: bool):
-    from cacheflow_jax._planner import Planner
+    from cacheflow_jax.planning.planner import Planner
     from cacheflow_jax.policies import get_policy
 
     planner = Planner(get_policy("lru"), 1, has_host=False, tracking=True, adaptive=adaptive)
@@ -418,7 +418,7 @@ def _waste_rank_2_and_return_victims(planner, rounds: int = 8) -> int:
     """Rank-2 guesses displace LRU's victim, are never used, and each victim comes back soon:
     prefetching at rank 2 has cost a hit every time. Returns the rounds admitted before the
     first refusal (``rounds`` if none)."""
-    from cacheflow_jax._planner import REFUSED
+    from cacheflow_jax.planning.planner import REFUSED
 
     resident = [f"k{i}" for i in range(4)]
     for n in range(rounds):
@@ -465,8 +465,8 @@ def test_a_renewed_guess_saves_misses_where_guesses_look_further_than_their_rank
     one, then the one 2 ahead, so its first guess is used 3 accesses after it was made, past its
     rank's wait. Kept while it is proposed again, it is a hit (287 misses; 861 when overdue
     guesses left first whatever the predictor said)."""
-    from cacheflow_jax._replay import replay
-    from cacheflow_jax._trace import read_trace
+    from cacheflow_jax.replay.engine import replay
+    from cacheflow_jax.trace.reader import read_trace
 
     chains = 30
     lines = []
@@ -502,7 +502,7 @@ def test_a_renewed_guess_saves_misses_where_guesses_look_further_than_their_rank
 
 
 def test_adaptive_admission_refuses_a_rank_whose_guesses_cost_more_than_they_gave() -> None:
-    from cacheflow_jax._planner import REFUSED
+    from cacheflow_jax.planning.planner import REFUSED
 
     planner = _planner(adaptive=True)
     admitted = _waste_rank_2_and_return_victims(planner)
@@ -527,7 +527,7 @@ def test_adaptive_admission_off_admits_the_same_guesses() -> None:
 
 
 def test_adaptive_admission_recovers_when_guesses_pay_off_again() -> None:
-    from cacheflow_jax._planner import REFUSED
+    from cacheflow_jax.planning.planner import REFUSED
 
     planner = _planner(adaptive=True)
     _waste_rank_2_and_return_victims(planner)
@@ -546,8 +546,8 @@ def test_adaptive_admission_recovers_when_guesses_pay_off_again() -> None:
 
 
 def test_replay_reports_the_admission_rates(tmp_path: Path) -> None:
-    from cacheflow_jax._replay import replay
-    from cacheflow_jax._trace import read_trace
+    from cacheflow_jax.replay.engine import replay
+    from cacheflow_jax.trace.reader import read_trace
 
     path = tmp_path / "t.txt"
     path.write_text("\n".join(str(i % 12) for i in range(240)) + "\n")
@@ -563,8 +563,8 @@ def test_replay_reports_the_admission_rates(tmp_path: Path) -> None:
 
 
 def test_the_score_floor_follows_the_measured_victim_return_rate() -> None:
-    from cacheflow_jax._planner import Admission
-    from cacheflow_jax._prefetch import PrefetchScheduler
+    from cacheflow_jax.planning.planner import Admission
+    from cacheflow_jax.prefetch.scheduler import PrefetchScheduler
 
     class Fixed:
         def observe(self, access) -> None:
@@ -599,7 +599,7 @@ def test_the_score_floor_follows_the_measured_victim_return_rate() -> None:
 
 
 def test_a_displaced_victim_counts_while_guesses_hold_its_room() -> None:
-    from cacheflow_jax._planner import Admission
+    from cacheflow_jax.planning.planner import Admission
 
     adm = Admission(1)
     adm.victim_displaced("v", "g1")
@@ -665,8 +665,8 @@ def test_foreseen_blocks_stop_going_first_when_they_come_back_uncovered() -> Non
 def test_foreseen_first_saves_misses_on_chains_behind_unpredictable_heads(tmp_path: Path) -> None:
     """Requests walk fixed chains from heads drawn at random: the chains' blocks are prefetched
     from their heads, so only the heads need to stay; foreseen blocks leaving first keeps them."""
-    from cacheflow_jax._replay import replay
-    from cacheflow_jax._trace import read_trace
+    from cacheflow_jax.replay.engine import replay
+    from cacheflow_jax.trace.reader import read_trace
 
     rng = np.random.default_rng(1)
     heads = 40
@@ -689,7 +689,7 @@ def test_foreseen_first_saves_misses_on_chains_behind_unpredictable_heads(tmp_pa
 
 
 def test_foresight_counts_what_left_and_what_came_back_uncovered_per_byte() -> None:
-    from cacheflow_jax._planner import Foresight
+    from cacheflow_jax.planning.planner import Foresight
 
     f = Foresight(1)
     f.arrived("a", 4, prefetched=True)

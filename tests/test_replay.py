@@ -13,10 +13,10 @@ from hypothesis import given, settings
 
 import cacheflow_jax as cfj
 from bench.policies import shared_traces_dir
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._replay import TraceStore, replay
-from cacheflow_jax._tiers import MetadataTier
-from cacheflow_jax._trace import Trace, TraceFormatError, parse_size, read_trace, write_log
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.replay.engine import TraceStore, replay
+from cacheflow_jax.tiers.memory import MetadataTier
+from cacheflow_jax.trace.reader import Trace, TraceFormatError, parse_size, read_trace, write_log
 from cacheflow_jax.policies.belady import belady, next_uses
 
 TRACES = shared_traces_dir()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cacheflow_jax as cfj
-from cacheflow_jax._slab import SlabTier, default_line_bytes
+from cacheflow_jax.tiers.slab import SlabTier, default_line_bytes
 
 _urls = iter(range(10**9))
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from cacheflow_jax._replay import replay
-from cacheflow_jax._stats import stack_distances, trace_stats
-from cacheflow_jax._trace import Trace, read_trace
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.stats import stack_distances, trace_stats
+from cacheflow_jax.trace.reader import Trace, read_trace
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 SHARED = {

@@ -16,7 +16,7 @@ import pytest
 import tensorstore as ts
 
 import cacheflow_jax as cfj
-from cacheflow_jax._subblocks import sub_block_shape
+from cacheflow_jax.store.subblocks import sub_block_shape
 
 ROWS, COLS = 256, 64  # a 64 KiB float32 table
 TABLE = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
@@ -107,7 +107,7 @@ def test_raw_chunks_are_read_as_byte_ranges(tmp_path: Path) -> None:
 
 def test_raw_zarr_v2_chunk_layout(tmp_path: Path) -> None:
     """zarr v2 (what orbax writes) without a compressor is raw too; orbax itself compresses."""
-    from cacheflow_jax._subblocks import raw_chunk_layout
+    from cacheflow_jax.store.subblocks import raw_chunk_layout
 
     _zarr2_raw(tmp_path / "v2")
     kv = {"driver": "file", "path": str(tmp_path / "v2" / "table")}

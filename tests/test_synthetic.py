@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bench import synthetic
-from cacheflow_jax._replay import replay
-from cacheflow_jax._trace import Trace
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.reader import Trace
 
 
 def _trace(keys: list[int]) -> Trace:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import predictor
-from cacheflow_jax._trace import read_trace
+from cacheflow_jax.trace.reader import read_trace
 from training import train
 
 

@@ -2,7 +2,7 @@
 
 Pipeline (`run`):
 
-1. Read each log with `cacheflow_jax._trace.read_trace` and split it by time: the last
+1. Read each log with `cacheflow_jax.trace.reader.read_trace` and split it by time: the last
    ``eval_fraction`` of its accesses (moved forward to the next timestamp, so one Mooncake
    request is never cut in two) is held out (the *eval tail*); the last ``val_fraction`` of the
    rest, cut the same way, is the *validation slice*; what precedes it is the *fit part*.
@@ -43,7 +43,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import predictor
-from cacheflow_jax._trace import Trace, read_trace, split_point
+from cacheflow_jax.trace.reader import Trace, read_trace, split_point
 from predictor import FeatureConfig, FeatureState, Metrics, MLPPredictor, ScoreMLP
 
 BASELINE_NAMES = ("last_successor", "markov", "stride")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cacheflow_jax.policies._base import Policy, admit_all, check_ttl
+from cacheflow_jax.policies.base import Policy, admit_all, check_ttl
 from cacheflow_jax.policies.lfu import LfuState, lfu, lfu_plain
 from cacheflow_jax.policies.lru import LruState, lru
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from cacheflow_jax.policies._base import Key, Policy
+from cacheflow_jax.policies.base import Key, Policy
 
 if TYPE_CHECKING:
-    from cacheflow_jax._trace import Trace
+    from cacheflow_jax.trace.reader import Trace
 
 _SIZE_SAMPLE = 16  # residents scored by size * distance in the size-aware variant
 

@@ -64,8 +64,8 @@ import heapq
 import math
 from collections import OrderedDict
 
-from cacheflow_jax.policies._base import Key, Policy, check_ttl
-from cacheflow_jax.policies._minisim import MiniSims
+from cacheflow_jax.policies.base import Key, Policy, check_ttl
+from cacheflow_jax.policies.minisim import MiniSims
 
 # Each constant's sweep over the 19 shared traces is in docs/policies.md.
 PROTECTED = 0.8  # protected share of main (Caffeine's)

@@ -11,7 +11,7 @@ import math
 from collections import OrderedDict
 from typing import NamedTuple
 
-from cacheflow_jax.policies._base import Key, Policy, admit_all, check_ttl, expired_prefix
+from cacheflow_jax.policies.base import Key, Policy, admit_all, check_ttl, expired_prefix
 
 
 class LruState(NamedTuple):

@@ -3,7 +3,7 @@
     python docs/experiments/lfu_fixed_shares.py TRACE PERCENT [--chunks]
 
 Prints the miss ratio of the default `lfu`, of `lfu(window=w)` for w in 0, .01, .05, .1, .2, .5,
-1 and of `lru`, replayed through `cacheflow_jax._replay.replay` as `bench.policies` does (one
+1 and of `lru`, replayed through `cacheflow_jax.replay.engine.replay` as `bench.policies` does (one
 tier, the cache PERCENT of the trace's distinct bytes). With ``--chunks``, the misses per twentieth
 of the trace of the default (with its share at the chunk's end), of a fixed share of 0 and of LRU.
 docs/policies.md quotes it for the nine points outside .005 and for cloudPhysics at 20%.
@@ -15,8 +15,8 @@ import argparse
 
 from lfu_trace import misses_per_chunk  # this directory's
 
-from cacheflow_jax._replay import replay
-from cacheflow_jax._trace import read_trace
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.reader import read_trace
 from cacheflow_jax.policies import get_policy, lfu
 
 SHARES = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from cacheflow_jax._cache import TieredCache
-from cacheflow_jax._replay import TraceStore
-from cacheflow_jax._tiers import MetadataTier
-from cacheflow_jax._trace import read_trace
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.replay.engine import TraceStore
+from cacheflow_jax.tiers.memory import MetadataTier
+from cacheflow_jax.trace.reader import read_trace
 from cacheflow_jax.policies import get_policy
 
 

@@ -23,7 +23,7 @@ def _point(args: tuple[int, int]) -> tuple[int, int, float, float]:
     from test_policy import _phases, _trace  # the test's trace, not a copy of it
 
     from cacheflow_jax import lfu
-    from cacheflow_jax._replay import replay
+    from cacheflow_jax.replay.engine import replay
 
     seed, budget = args
     keys = _phases(seed=seed, phases=20, scan=300, loop=260, loops=2, hot=800, per=1500)

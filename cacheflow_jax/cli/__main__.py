@@ -1,0 +1,7 @@
+"""``python -m cacheflow_jax.cli``: the ``cacheflow`` command."""
+
+import sys
+
+from cacheflow_jax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,784 @@
+"""The orbax hook: open an orbax checkpoint lazily, block by block, through a `TieredCache`.
+
+Design note. ``restore_lazy(path)`` reads no array data: it opens the checkpoint in place as an L3
+store (see `cacheflow_jax.open_store`) and returns a pytree shaped exactly like
+``ocp.StandardCheckpointer().restore(path)`` (same nested dicts and lists, same string keys such as
+``'0'`` for the layers of a Flax NNX pure dict, same ``None`` and empty nodes), whose array leaves
+are `LazyArray` handles. A `LazyArray` knows its shape, dtype and block keys; its data moves only
+when asked for, and only through the cache:
+
+* ``leaf.block(index)`` is one block (one stored chunk) on the device, as the cache holds it;
+* ``leaf[3, :128]`` (ints, slices and ``...``) fetches only the blocks that intersect the
+  selection, with one ``get_many``;
+* ``np.asarray(leaf)`` / ``jnp.asarray(leaf)`` and `materialize` fetch all of a leaf's blocks.
+
+Assembly happens on the device: the blocks are already device arrays (L1), so a leaf is built with
+one ``jnp.concatenate`` per split axis (each a single device copy) and never goes
+device -> host -> device. A leaf of a single chunk is the cached block itself (no copy; JAX arrays
+are immutable, so sharing it with L1 is safe).
+
+Leaves orbax stores as ``scalar`` (Python ints and floats) are restored eagerly as Python scalars,
+exactly as orbax returns them; they are a few bytes each and not worth a cache slot.
+
+A `LazyArray` is not a ``jax.Array``: JAX no longer converts such objects while tracing (its
+``__jax_array__`` hook is not called during abstractification), so a leaf passed to ``jax.jit``
+or a ``jnp`` function fails. A model runs on ``materialize(subtree)``: one ``get_many`` for a
+layer's blocks, a pytree of ``jax.Array`` back, which ``nnx.merge`` (inside a jitted step) turns
+into the layer. Arithmetic on a leaf raises a ``TypeError`` saying so.
+
+Blocks can be smaller than the checkpoint's chunks: orbax writes one chunk per array by default,
+and a cache serves a chunk larger than its block size as sub-blocks of leading rows (see
+``cacheflow_jax.store.subblocks``); a leaf's ``block_shape`` and ``keys`` follow the cache's blocks,
+its ``chunk_shape`` is the chunk as stored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cacheflow_jax.core.blocks import ArrayInfo, StoreError, block_key
+from cacheflow_jax.tiers.budgets import default_budgets
+from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.store.orbax_source import ORBAX_MARKERS as _ORBAX_MARKERS
+from cacheflow_jax.store.tensorstore_store import TensorStoreStore, open_store
+from cacheflow_jax.store.verify import verify_checkpoint
+from cacheflow_jax.policies import Policy
+
+__all__ = ["LazyArray", "default_budgets", "materialize", "restore_lazy", "verify_checkpoint"]
+
+_NOT_AN_ARRAY = (
+    "LazyArray {path!r} is a handle to checkpoint data, not a jax.Array, so {what} is not "
+    "defined on it; call materialize(leaf) (or leaf.value()) for the whole array on the device, "
+    "materialize(subtree) for a layer's arrays with one get_many, or leaf[...] for a slice"
+)
+
+_UNSUPPORTED_INDEX = (
+    "LazyArray {path!r} supports basic indexing only (ints, slices, '...'), got {index!r}; "
+    "for other indexing, index the materialized array: np.asarray(leaf)[...] or "
+    "materialize(leaf)[...]"
+)
+
+
+class LazyArray:
+    """One array of a lazily restored checkpoint; its blocks are read through a `TieredCache`.
+
+    Built by `restore_lazy`; not constructed directly in normal use.
+
+    Args:
+      cache: the cache that serves the blocks (its store holds the array).
+      info: the stored array's metadata (``cache.store.arrays()[path]``).
+
+    >>> tree = restore_lazy(step_dir, device_bytes=1 << 30, host_bytes=1 << 30)  # doctest: +SKIP
+    >>> w = tree["layers"]["0"]["w"]  # doctest: +SKIP
+    >>> w.shape, w.keys[:1], w[0, :4]  # doctest: +SKIP
+    """
+
+    __slots__ = ("_cache", "_info", "_keys")
+
+    def __init__(self, cache: TieredCache, info: ArrayInfo) -> None:
+        self._cache = cache
+        self._info = info
+        self._keys = tuple(block_key(info.path, idx) for idx in np.ndindex(*info.grid_shape))
+
+    # ---- metadata (no I/O)
+
+    @property
+    def path(self) -> str:
+        """The array path in the store (``"layers/0/w"``); block keys are ``path@i,j``."""
+        return self._info.path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape."""
+        return self._info.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The array's dtype, as stored."""
+        return self._info.dtype
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+        return len(self._info.shape)
+
+    @property
+    def size(self) -> int:
+        """The number of elements."""
+        return math.prod(self._info.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The array's size in bytes."""
+        return self._info.nbytes
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self._info.dtype.itemsize
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one block (blocks at the array's far edges may be smaller)."""
+        return self._info.chunk_shape
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The shape of one chunk as stored (larger than `block_shape` for sub-blocks)."""
+        return self._info.stored_chunks
+
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        """The number of blocks along each dimension."""
+        return self._info.grid_shape
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """Where the array lands once fetched: the cache's L1 device (a single device)."""
+        return jax.sharding.SingleDeviceSharding(self._cache._tiers[0].device)
+
+    def shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
+        """The array's ``jax.ShapeDtypeStruct`` (shape, dtype, sharding), e.g. for ``jax.eval_shape``."""
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The array's block keys, in C order of the block grid."""
+        return self._keys
+
+    @property
+    def cache(self) -> TieredCache:
+        """The cache the blocks are read through."""
+        return self._cache
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError(f"len() of unsized LazyArray {self.path!r} (a 0-d array)")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        # JAX quotes this in its error for a LazyArray passed to jit or a jnp function, so it
+        # says what to call instead.
+        return (
+            f"LazyArray({self.path!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"blocks={len(self._keys)}; not a jax.Array: pass materialize(leaf) to JAX)"
+        )
+
+    # ---- data (through the cache)
+
+    def block(self, index: int | Sequence[int]) -> jax.Array:
+        """Returns one block of the array (a chunk as stored) on the device, via the cache.
+
+        Args:
+          index: the block's position in the block grid (``grid_shape``); an int for 1-d arrays,
+            ``()`` for 0-d arrays.
+
+        Returns:
+          The block, shaped like the chunk (clipped at the array's edge).
+
+        Raises:
+          IndexError: ``index`` is outside the block grid.
+        """
+        idx = (index,) if isinstance(index, int | np.integer) else tuple(index)
+        grid = self.grid_shape
+        if len(idx) != len(grid) or any(not 0 <= int(i) < g for i, g in zip(idx, grid)):
+            raise IndexError(
+                f"block index {index!r} is outside the block grid {grid} of LazyArray {self.path!r}"
+            )
+        return self._cache.get(block_key(self.path, idx))
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        """Returns ``array[index]`` reading only the blocks that intersect the selection.
+
+        Args:
+          index: basic indexing: ints, slices (any step) and at most one ``...``.
+
+        Returns:
+          The selection as a device array (a copy only where blocks had to be joined or cut).
+
+        Raises:
+          IndexError: an index is out of bounds, or there are too many indices.
+          TypeError: advanced indexing (arrays, booleans, ``None``); see the message.
+        """
+        sel = _normalize_index(index, self.shape, self.path)
+        needed = [_chunks_touched(s, c) for s, c in zip(sel, self.block_shape)]
+        out_shape = tuple(len(s) for s in sel if isinstance(s, range))
+        if any(not n for n in needed):
+            return jnp.zeros(out_shape, self.dtype)
+        grid_index = list(np.ndindex(*(len(n) for n in needed)))
+        keys = [block_key(self.path, tuple(n[i] for n, i in zip(needed, g))) for g in grid_index]
+        blocks = self._cache.get_many(keys)
+        joined = _join(dict(zip(grid_index, blocks)), tuple(len(n) for n in needed))
+        return _cut(joined, sel, needed, self.block_shape, self.shape)
+
+    def value(self) -> jax.Array:
+        """Returns the whole array on the device (all blocks with one ``get_many``)."""
+        return _assemble(self, self._cache.get_many(self._keys))
+
+    def assemble(self, blocks: Sequence[jax.Array]) -> jax.Array:
+        """Joins blocks fetched for `keys` (in that order) into the whole array, on the device.
+
+        For serving loops that fetch the blocks of several leaves with one ``get_many``.
+
+        Args:
+          blocks: one array per key of `keys`, as ``cache.get_many(leaf.keys)`` returns them.
+
+        Returns:
+          The array; for a single-block leaf, the block itself (no copy).
+
+        Raises:
+          ValueError: the number of blocks is not ``len(keys)``.
+        """
+        if len(blocks) != len(self._keys):
+            raise ValueError(
+                f"LazyArray {self.path!r} has {len(self._keys)} blocks, got {len(blocks)}"
+            )
+        return _assemble(self, blocks)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """Returns the whole array as numpy (``np.asarray(leaf)``), read through the cache.
+
+        Raises:
+          ValueError: ``copy=False``: the data is read from the cache, so it is always a copy.
+        """
+        if copy is False:
+            raise ValueError(
+                f"np.asarray(LazyArray {self.path!r}, copy=False) is impossible: the data is "
+                "read through the cache into a new array; drop copy=False"
+            )
+        out = np.asarray(self.value())
+        if dtype is not None and np.dtype(dtype) != out.dtype:
+            out = out.astype(dtype)
+        return out
+
+    # ---- what a LazyArray is not
+
+    def _not_an_array(self, what: str) -> TypeError:
+        return TypeError(_NOT_AN_ARRAY.format(path=self.path, what=what))
+
+    def __bool__(self) -> bool:
+        raise self._not_an_array("truth value")
+
+    def __iter__(self) -> Any:
+        raise self._not_an_array("iteration")
+
+    def astype(self, dtype: Any) -> Any:
+        """Not defined: raises a ``TypeError`` saying to materialize first."""
+        raise self._not_an_array("astype")
+
+
+def _refuse(name: str) -> Any:
+    """An operator of `LazyArray` that raises a TypeError naming what to call instead."""
+
+    def op(self: LazyArray, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_an_array(f"the operator {name}")
+
+    op.__name__ = name
+    op.__doc__ = "Not defined: raises a ``TypeError`` saying to materialize first."
+    return op
+
+
+for _name in [
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rmod__",
+    "__pow__",
+    "__rpow__",
+    "__matmul__",
+    "__rmatmul__",
+    "__neg__",
+    "__pos__",
+    "__abs__",
+    "__invert__",
+    "__and__",
+    "__rand__",
+    "__or__",
+    "__ror__",
+    "__xor__",
+    "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__float__",
+    "__int__",
+    "__complex__",
+    "__index__",
+]:
+    setattr(LazyArray, _name, _refuse(_name))
+del _name
+
+
+# --------------------------------------------------------------------------------------------
+# restore_lazy / materialize
+
+
+def restore_lazy(
+    path: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    cache: TieredCache | None = None,
+    device_bytes: int | None = None,
+    host_bytes: int | None = None,
+    policy: str | Policy = "lfu",
+    step: int | None = None,
+    target: Any = None,
+    block_bytes: int | None = None,
+    runtime: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    prefetcher: Any = None,
+    prefetch: Any = None,
+) -> Any:
+    """Opens an orbax checkpoint lazily: a pytree like orbax's restore, with `LazyArray` leaves.
+
+    Reads metadata only (and the few bytes of Python scalar leaves).
+
+    Args:
+      path: a ``CheckpointManager`` root (its latest step is opened, as orbax's
+        ``latest_step``, or ``step``), a step directory holding one item (``<root>/<step>``), or
+        an orbax item directory (holding ``_METADATA``), as a path, URL or kvstore spec
+        (anything `cacheflow_jax.open_store` takes). A cacheflow store written by
+        ``write_store`` works too and gives back the tree that was written.
+      cache: the cache to read through; its store must be this checkpoint. If omitted, the
+        checkpoint is opened with ``open_store(path, step=step, runtime=runtime)`` and a new
+        `TieredCache` is built with ``device_bytes``, ``host_bytes``, ``policy`` and
+        ``block_bytes``.
+      device_bytes: L1 budget of the new cache (only without ``cache``). Default: half of the
+        device memory JAX reports free, or 1 GiB where it reports nothing (the CPU); see
+        `default_budgets`.
+      host_bytes: L2 budget of the new cache (only without ``cache``). Default: a quarter of
+        the host's RAM.
+      policy: the new cache's policy, a name or a `Policy` (only without ``cache``).
+      step: the step of a ``CheckpointManager`` root to open (default: the latest).
+      target: an abstract tree to restore into, as orbax's ``StandardRestore(target)`` takes:
+        its leaves (``jax.ShapeDtypeStruct``, arrays, or an ``nnx.State`` of them) are matched to
+        the checkpoint's arrays by key path (a trailing ``value`` of an NNX variable is optional)
+        and must have their shapes and dtypes; the result has the target's structure.
+      block_bytes: the new cache's block size (see `TieredCache`); default 1/8 of
+        ``device_bytes``, so a chunk larger than that (orbax writes one per array) is served as
+        sub-blocks.
+      runtime: where runtime blocks (``put``) go; the checkpoint is never written (see
+        `cacheflow_jax.open_store`).
+      prefetcher: a `predictor.Predictor` for the new cache to prefetch with, and ``prefetch``
+        its `PrefetchSettings` (only without ``cache``; see `TieredCache`).
+      prefetch: see ``prefetcher``.
+
+    Returns:
+      The restored pytree: the structure and keys of ``ocp.StandardCheckpointer().restore(path)``
+      (orbax restores list items of an NNX pure dict as string keys ``'0'``, ``'1'``), or of
+      ``target``; array leaves are `LazyArray` over the cache (reach it as ``leaf.cache``),
+      ``scalar`` leaves are Python scalars, ``None`` and empty containers are kept.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      cacheflow_jax.StoreError: ``path`` is not a checkpoint, holds several items, has no
+        ``step``, or holds no arrays at all.
+      ValueError: ``cache`` is over another store, or budgets are given with a cache; ``target``
+        does not match the checkpoint.
+      cacheflow_jax.BudgetError: a budget is too small for the checkpoint's largest block.
+      TypeError: the cache's store is not a `cacheflow_jax.TensorStoreStore`.
+
+    >>> tree = restore_lazy("ckpt/")  # doctest: +SKIP
+    >>> params = materialize(tree["layers"]["0"])  # doctest: +SKIP
+    """
+    given = cache is not None
+    if cache is None:
+        if device_bytes is None or host_bytes is None:
+            default_device, default_host = default_budgets()
+            device_bytes = default_device if device_bytes is None else device_bytes
+            host_bytes = default_host if host_bytes is None else host_bytes
+        store = open_store(path, step=step, runtime=runtime)
+        cache = TieredCache(
+            store,
+            device_bytes=device_bytes,
+            host_bytes=host_bytes,
+            policy=policy,
+            block_bytes=block_bytes,
+            prefetcher=prefetcher,
+            prefetch=prefetch,
+        )
+    else:
+        if (
+            device_bytes is not None
+            or host_bytes is not None
+            or block_bytes is not None
+            or prefetcher is not None
+            or prefetch is not None
+        ):
+            raise ValueError(
+                f"restore_lazy({_label(path)!r}): pass either cache= or device_bytes=/"
+                "host_bytes=/block_bytes=/prefetcher=/prefetch=, not both (the settings of an "
+                "existing cache are fixed)"
+            )
+    store = cache.store
+    if not isinstance(store, TensorStoreStore):
+        raise TypeError(
+            f"the cache's store {store.spec} is a {type(store).__name__}, which cannot list a "
+            "checkpoint's pytree; build the cache over cacheflow_jax.open_store(path)"
+        )
+    if given:
+        if step is not None and store.step != step:
+            raise ValueError(
+                f"restore_lazy({_label(path)!r}, step={step}, cache=...): the cache reads step "
+                f"{store.step} ({store.spec}); build the cache over "
+                f"open_store({_label(path)!r}, step={step})"
+            )
+        _check_same_checkpoint(path, store)
+    arrays = store.arrays()
+    if not arrays:
+        raise StoreError(
+            f"{store.spec} holds no arrays, so there is nothing to restore"
+            + (f" (steps found: {list(store.steps)})" if store.steps else "")
+            + "; check the path: pass a CheckpointManager root, a step directory or an item "
+            "directory (`cacheflow inspect PATH` lists what a location holds)"
+        )
+    value_types = store.value_types()
+
+    def leaf(array_path: str) -> Any:
+        info = arrays[array_path]
+        if value_types.get(array_path) == "scalar":
+            return store.read(block_key(array_path, (0,) * len(info.shape))).result().item()
+        return LazyArray(cache, info)
+
+    if target is not None:
+        return _restore_into(target, store, leaf)
+    return _map_skeleton(store.tree(), leaf)
+
+
+def materialize(tree: Any, *, batch_bytes: int | None = None) -> Any:
+    """Reads every `LazyArray` leaf of ``tree`` through its cache into a device array.
+
+    Each leaf's blocks are fetched with a single ``get_many`` (several small leaves share one,
+    up to ``batch_bytes``), so all of a leaf's L3 reads are issued at once; the leaf is then
+    assembled on the device (see the module note). Other leaves are returned as they are.
+
+    Args:
+      tree: a pytree, typically from `restore_lazy`; may also be a single `LazyArray`.
+      batch_bytes: the most bytes one ``get_many`` asks for (a larger leaf gets its own call).
+        Default: the cache's device budget, so a batch does not evict itself from L1.
+
+    Returns:
+      The same pytree with every `LazyArray` replaced by a ``jax.Array`` bitwise equal to what
+      orbax restores (with JAX's default 32-bit mode, 64-bit leaves are canonicalized to 32 bits,
+      as ``jax.device_put`` does).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    lazy = [(i, x) for i, x in enumerate(leaves) if isinstance(x, LazyArray)]
+    out = list(leaves)
+    by_cache: dict[int, list[tuple[int, LazyArray]]] = {}
+    for i, x in lazy:
+        by_cache.setdefault(id(x.cache), []).append((i, x))
+    for group in by_cache.values():
+        cache = group[0][1].cache
+        limit = batch_bytes
+        if limit is None:
+            limit = int(cache.stats()["tiers"].get("device", {}).get("budget", 0))
+        for batch in _batches(group, limit):
+            keys = [k for _, x in batch for k in x.keys]
+            blocks = iter(cache.get_many(keys))
+            for i, x in batch:
+                out[i] = _assemble(x, [next(blocks) for _ in x.keys])
+    return jax.tree.unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------------------------
+# Internals
+
+
+def _batches(
+    group: Sequence[tuple[int, LazyArray]], limit: int
+) -> Iterable[list[tuple[int, LazyArray]]]:
+    """Splits leaves into consecutive batches of at most ``limit`` bytes (at least one leaf)."""
+    batch: list[tuple[int, LazyArray]] = []
+    size = 0
+    for item in group:
+        nbytes = item[1].nbytes
+        if batch and size + nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def _assemble(leaf: LazyArray, blocks: Sequence[jax.Array]) -> jax.Array:
+    """Joins all of a leaf's blocks (C order of its grid) into the whole array on the device."""
+    grid = leaf.grid_shape
+    if len(blocks) == 1:
+        return blocks[0]
+    return _join(dict(zip(np.ndindex(*grid), blocks)), grid)
+
+
+def _join(cells: dict[tuple[int, ...], jax.Array], grid: tuple[int, ...]) -> jax.Array:
+    """Concatenates a grid of device blocks: the last axis first, one concatenate per row."""
+    for axis in reversed(range(len(grid))):
+        if grid[axis] == 1:
+            cells = {idx[:-1]: v for idx, v in cells.items()}
+        else:
+            rows: dict[tuple[int, ...], list[jax.Array]] = {}
+            for idx in sorted(cells):
+                rows.setdefault(idx[:-1], []).append(cells[idx])
+            cells = {k: jnp.concatenate(v, axis=axis) for k, v in rows.items()}
+    return cells[()]
+
+
+def _normalize_index(index: Any, shape: tuple[int, ...], path: str) -> list[int | range]:
+    """Turns a basic index into one int or range of element positions per dimension."""
+    items = index if isinstance(index, tuple) else (index,)
+    ellipses = [i for i, x in enumerate(items) if x is Ellipsis]
+    if len(ellipses) > 1:
+        raise IndexError(f"an index can only have a single ellipsis ('...'), got {index!r}")
+    if ellipses:
+        at = ellipses[0]
+        fill = len(shape) - (len(items) - 1)
+        items = items[:at] + (slice(None),) * max(fill, 0) + items[at + 1 :]
+    if len(items) > len(shape):
+        raise IndexError(
+            f"too many indices for LazyArray {path!r}: it is {len(shape)}-dimensional, but "
+            f"{len(items)} were indexed"
+        )
+    items = items + (slice(None),) * (len(shape) - len(items))
+    out: list[int | range] = []
+    for axis, (item, n) in enumerate(zip(items, shape)):
+        if isinstance(item, int | np.integer) and not isinstance(item, bool | np.bool_):
+            j = int(item) + (n if item < 0 else 0)
+            if not 0 <= j < n:
+                raise IndexError(
+                    f"index {item} is out of bounds for axis {axis} with size {n} of LazyArray "
+                    f"{path!r}"
+                )
+            out.append(j)
+        elif isinstance(item, slice):
+            out.append(range(*item.indices(n)))
+        else:
+            raise TypeError(_UNSUPPORTED_INDEX.format(path=path, index=index))
+    return out
+
+
+def _chunks_touched(sel: int | range, chunk: int) -> list[int]:
+    """The sorted chunk indices along one axis that hold selected elements."""
+    if isinstance(sel, int):
+        return [sel // chunk]
+    if not sel:
+        return []
+    lo, hi = min(sel[0], sel[-1]), max(sel[0], sel[-1])
+    if abs(sel.step) < chunk:
+        # Consecutive picks are less than a chunk apart, so every chunk in between is touched.
+        return list(range(lo // chunk, hi // chunk + 1))
+    return sorted({p // chunk for p in sel})
+
+
+def _cut(
+    joined: jax.Array,
+    sel: Sequence[int | range],
+    needed: Sequence[list[int]],
+    chunk_shape: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> jax.Array:
+    """Cuts the selection out of the joined blocks (the touched chunks, packed together)."""
+    out = joined
+    # Highest axis first, so that dropping an int-indexed axis does not renumber the rest.
+    for axis in reversed(range(len(sel))):
+        c, n, s = chunk_shape[axis], shape[axis], sel[axis]
+        starts: dict[int, int] = {}
+        pos = 0
+        for k in needed[axis]:
+            starts[k] = pos
+            pos += min(c, n - k * c)
+
+        def packed(p: int, c: int = c, starts: dict[int, int] = starts) -> int:
+            return starts[p // c] + p % c
+
+        if isinstance(s, int):
+            out = jax.lax.index_in_dim(out, packed(s), axis=axis, keepdims=False)
+        elif s.step == 1:
+            lo, hi = packed(s[0]), packed(s[-1]) + 1
+            if (lo, hi) != (0, out.shape[axis]):
+                out = jax.lax.slice_in_dim(out, lo, hi, axis=axis)
+        else:
+            out = jnp.take(out, np.array([packed(p) for p in s], np.int32), axis=axis)
+    return out
+
+
+def _key_name(k: Any) -> str:
+    """One key path entry as it appears in an array path."""
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def _restore_into(target: Any, store: TensorStoreStore, leaf: Any) -> Any:
+    """The checkpoint's leaves in ``target``'s structure (orbax's ``StandardRestore(target)``).
+
+    Raises:
+      ValueError: a target leaf has no array in the checkpoint, or another shape or dtype.
+    """
+    arrays = store.arrays()
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    out, missing, wrong = [], [], []
+    for kp, want in flat:
+        names = [_key_name(k) for k in kp]
+        path = "/".join(names)
+        if path not in arrays and names and names[-1] == "value":
+            path = "/".join(names[:-1])  # an NNX variable's value, saved from a pure dict
+        info = arrays.get(path)
+        if info is None:
+            missing.append("/".join(names))
+            out.append(None)
+            continue
+        shape, dtype = getattr(want, "shape", None), getattr(want, "dtype", None)
+        if (
+            shape is not None
+            and tuple(shape) != info.shape
+            or (dtype is not None and np.dtype(dtype) != info.dtype)
+        ):
+            wrong.append(
+                f"{path}: target {tuple(shape or ())} {dtype}, stored {info.shape} {info.dtype}"
+            )
+        out.append(leaf(path))
+    if missing or wrong:
+        raise ValueError(
+            f"target does not match checkpoint {store.spec}: "
+            + (
+                f"no array for {missing[:5]} (the checkpoint has {sorted(arrays)[:5]}...)"
+                if missing
+                else ""
+            )
+            + ("; " if missing and wrong else "")
+            + (f"shape or dtype differ for {wrong[:5]}" if wrong else "")
+            + ". Build the target from the model that was saved (nnx.eval_shape), or restore "
+            "without target= and cast after materialize()"
+        )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _map_skeleton(node: Any, leaf: Any) -> Any:
+    """Rebuilds ``store.tree()``'s skeleton, mapping each array path string with ``leaf``."""
+    if isinstance(node, str):
+        return leaf(node)
+    if isinstance(node, dict):
+        return {k: _map_skeleton(v, leaf) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_map_skeleton(v, leaf) for v in node]
+    return node
+
+
+def _label(path: Any) -> str:
+    """A short text for ``path`` in error messages."""
+    return str(dict(path)) if isinstance(path, Mapping) else os.fspath(path)
+
+
+def _item_dir(local: Path) -> Path:
+    """The orbax item directory of a local item or single-item step directory (else itself)."""
+    if any((local / m).exists() for m in _ORBAX_MARKERS):
+        return local
+    try:
+        items = [p for p in local.iterdir() if any((p / m).exists() for m in _ORBAX_MARKERS)]
+    except OSError:
+        return local
+    return items[0] if len(items) == 1 else local
+
+
+def _spec_location(spec: Mapping[str, Any]) -> tuple[str, str]:
+    """(everything but the path, the path) of a kvstore spec."""
+    rest = sorted((k, repr(v)) for k, v in spec.items() if k != "path")
+    return repr(rest), str(spec.get("path", "")).strip("/")
+
+
+def _path_locations(path: Any) -> set[tuple[str, str]]:
+    """The canonical locations of a path, URL or kvstore spec, as (base, path) pairs.
+
+    Raises:
+      FileNotFoundError: a local path does not exist.
+    """
+    if isinstance(path, Mapping):
+        spec = dict(path["kvstore"]) if "kvstore" in path else dict(path)
+        if spec.get("driver") != "file":
+            return {_spec_location(spec)}
+        path = str(spec.get("path", ""))
+    text = os.fspath(path)
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme != "file":
+        return {(scheme + "://", rest.strip("/"))}
+    local = Path(rest if sep else text).expanduser().absolute()
+    if not local.exists():
+        raise FileNotFoundError(
+            f"no orbax checkpoint at {local}: the path does not exist; pass an item directory "
+            "or a CheckpointManager step directory"
+        )
+    return {("file", os.path.realpath(_item_dir(local)))}
+
+
+def _store_locations(store: TensorStoreStore) -> set[tuple[str, str]]:
+    """The canonical locations of an open store, as (base, path) pairs."""
+    spec = store.kvstore_spec
+    if spec.get("driver") == "file":
+        local = Path(str(spec.get("path", "")))
+        if store.step is not None:
+            # Opened at a CheckpointManager root: the root and the step opened are this store.
+            step_dir = local / str(store.step)
+            return {
+                ("file", os.path.realpath(local)),
+                ("file", os.path.realpath(_item_dir(step_dir))),
+            }
+        return {("file", os.path.realpath(_item_dir(local)) if local.exists() else str(local))}
+    out = {_spec_location(spec)}
+    scheme, sep, rest = store.spec.partition("://")
+    if sep:
+        out.add((scheme + "://", rest.strip("/")))
+    return out
+
+
+def _check_same_checkpoint(path: Any, store: TensorStoreStore) -> None:
+    """Raises ValueError unless ``store`` reads the checkpoint at ``path``.
+
+    Raises:
+      FileNotFoundError: ``path`` is a local path that does not exist.
+      ValueError: ``store`` is somewhere else.
+    """
+    have = _store_locations(store)
+    for base, want in _path_locations(path):
+        for other_base, got in have:
+            if base != other_base:
+                continue
+            if want == got:
+                return
+            # A step directory and its single item (local paths are resolved to the item already).
+            short, long = sorted((want, got), key=len)
+            if (
+                base != "file"
+                and long.startswith(short + "/")
+                and "/" not in long[len(short) + 1 :]
+            ):
+                return
+    raise ValueError(
+        f"restore_lazy({_label(path)!r}, cache=...): the cache reads store {store.spec}, not "
+        f"this checkpoint; build the cache over open_store({_label(path)!r}), or omit cache= "
+        "and pass device_bytes= and host_bytes="
+    )

@@ -1,0 +1,202 @@
+"""L1 (device) and L2 (host) tiers: storage and byte accounting only; the policy decides.
+
+A tier holds values by key and counts bytes against a hard budget. ``used`` includes bytes
+*reserved* for blocks on their way in, so the budget holds at every moment: room is reserved before
+a transfer starts and released only after a block has left. Tiers are not thread-safe on their own;
+`TieredCache` calls them under its lock and never performs a transfer (``load``) under it.
+"""
+
+from __future__ import annotations
+
+import abc
+import numbers
+from typing import TYPE_CHECKING, Any
+
+from cacheflow_jax.core.blocks import BudgetError, DtypeError
+from cacheflow_jax.core.pytree import TREES, leaves_of, tree_map
+
+if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX or numpy
+    import jax
+    import numpy as np
+
+# A value standing in for a block's bytes when the cache only tracks metadata (replay).
+PRESENT = True
+
+
+def check_device_dtype(dtype: np.dtype, key: str) -> None:
+    """Raises `DtypeError` if JAX would change ``dtype`` on the way to the device.
+
+    With ``jax_enable_x64`` off (JAX's default), ``jax.device_put`` silently narrows 64-bit
+    arrays (int64 -> int32, float64 -> float32, complex128 -> complex64); a cache must never
+    serve or write back such a changed block.
+    """
+    import jax
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        raise DtypeError(
+            f"block {key!r} has dtype {dtype}, which JAX would silently narrow to {narrowed} on "
+            "the device because jax_enable_x64 is off. Enable 64-bit types first "
+            "(jax.config.update('jax_enable_x64', True)), or store the array as "
+            f"{narrowed} yourself"
+        )
+
+
+class AbstractTier(abc.ABC):
+    """A byte-budgeted map from key to a block value."""
+
+    name: str
+    budget: int
+    used: int
+    entries: dict[str, Any]
+    holds_trees = True  # pytree blocks (`_pytree`) as well as arrays
+
+    def __init__(self, budget: int, *, setting: str) -> None:
+        # numbers.Integral: Python's and numpy's integers (numpy registers its own).
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+            raise BudgetError(f"{setting}={budget!r} must be an integer number of bytes")
+        if budget < 0:
+            raise BudgetError(f"{setting}={budget} is negative; give a byte budget >= 0")
+        self.budget = int(budget)
+        self.used = 0
+        self.entries = {}
+        self.sizes: dict[str, int] = {}  # key -> nbytes of entries put with put_reserved
+
+    def reserve(self, nbytes: int) -> bool:
+        """Reserves ``nbytes`` if they fit in the budget; returns whether they did."""
+        if self.used + nbytes > self.budget:
+            return False
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Returns ``nbytes`` of reserved or resident room."""
+        self.used -= nbytes
+
+    def put_reserved(self, key: str, value: Any, nbytes: int) -> None:
+        """Stores ``value`` (``nbytes`` bytes) in room already reserved for it."""
+        self.entries[key] = value
+        self.sizes[key] = nbytes
+
+    def pop(self, key: str) -> Any:
+        """Removes and returns a value; its bytes stay counted until ``release``."""
+        self.sizes.pop(key, None)
+        return self.entries.pop(key)
+
+    @abc.abstractmethod
+    def load(self, value: Any, *, owned: bool = False) -> Any:
+        """Converts a value from another tier (or the store) into this tier's form. May block.
+
+        ``owned``: the cache holds the only reference to ``value`` and nothing writes to it again
+        (a store read, or a block leaving another tier), so the result may share its memory.
+        A caller's array (`TieredCache.put`) is never owned: it is copied.
+        """
+
+
+class DeviceTier(AbstractTier):
+    """L1: ``jax.Array`` values on one device."""
+
+    name = "device"
+
+    def __init__(self, budget: int, *, device: jax.Device | None = None) -> None:
+        import jax
+
+        super().__init__(budget, setting="device_bytes")
+        self.device = device if device is not None else jax.devices()[0]
+
+    def load(self, value: Any, *, owned: bool = False) -> jax.Array:
+        """The block (an array, or a pytree of arrays: `_pytree`) on the device."""
+        return to_device(value, self.device, owned=owned)
+
+
+def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> Any:
+    """``value`` (an array or a pytree of arrays) as ready arrays on ``device``, committed.
+
+    Every leaf is committed to ``device``, as a block coming from any other tier is, so that a
+    jitted function taking blocks compiles once wherever each came from (an uncommitted array
+    is another cache entry); a leaf already there is not copied. The leaves that move go in one
+    ``jax.device_put`` call. An ``owned`` host block (see `AbstractTier.load`) may become the
+    device array itself where the device's memory is host memory (the CPU backend, with a
+    64-byte aligned buffer, as `_fastread`'s are): an L2 -> L1 move is then free, as it is in
+    fact. A caller's array is copied: the CPU backend aliases an aligned numpy array whatever
+    ``may_alias`` says (jax 0.10), and the caller may write into it later.
+
+    Raises:
+      DtypeError: the device changed a dtype (callers check with `check_device_dtype` first).
+    """
+    import jax
+
+    tree = type(value) in TREES
+    leaves = leaves_of(value) if tree else [value]
+    moving = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array) and leaf.devices() == {device}:
+            if not leaf.committed:
+                # The same buffer, committed (a tenth of what a device_put costs).
+                leaves[i] = jax.make_array_from_single_device_arrays(
+                    leaf.shape, jax.sharding.SingleDeviceSharding(device), [leaf]
+                )
+            continue
+        if not owned and device.platform == "cpu" and not isinstance(leaf, jax.Array):
+            import numpy as np
+
+            leaf = np.array(leaf, copy=True)
+        moving.append((i, leaf))
+    if moving:
+        out = jax.device_put([leaf for _, leaf in moving], device,
+                             may_alias=True if owned else None)  # fmt: skip
+        for (i, leaf), moved in zip(moving, out):
+            if moved.dtype != leaf.dtype:
+                raise DtypeError(
+                    f"the device changed a block's dtype from {leaf.dtype} to {moved.dtype}"
+                )
+            leaves[i] = moved
+        jax.block_until_ready(out)  # the transfer has finished before the bytes count
+    if not tree:
+        return leaves[0]
+    it = iter(leaves)
+    return tree_map(lambda _: next(it), value)
+
+
+class HostTier(AbstractTier):
+    """L2: arrays in host memory.
+
+    A numpy array, or, for a block that comes down from a device whose memory is host memory
+    (JAX's CPU backend), that block's ``jax.Array`` itself: a copy would only duplicate the same
+    bytes in the same memory, and a promotion would copy them back. Elsewhere blocks are copied
+    to numpy (``jax.device_get``).
+    """
+
+    name = "host"
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget, setting="host_bytes")
+
+    def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
+        if type(value) in TREES:
+            return tree_map(_to_host_tier, value)
+        return _to_host_tier(value)
+
+
+def _to_host_tier(value: Any) -> Any:
+    import jax
+    import numpy as np
+
+    if isinstance(value, jax.Array):
+        if all(d.platform == "cpu" for d in value.devices()):
+            return value  # already in host memory, and immutable
+        return np.asarray(jax.device_get(value))
+    return value
+
+
+class MetadataTier(AbstractTier):
+    """A tier that tracks residency and bytes but holds no data (replay)."""
+
+    def __init__(self, budget: int, *, name: str, setting: str) -> None:
+        super().__init__(budget, setting=setting)
+        self.name = name
+
+    def load(self, value: Any, *, owned: bool = False) -> Any:
+        return PRESENT
