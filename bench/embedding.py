@@ -179,7 +179,7 @@ def demo_part(args, report: Report) -> None:
         serve_pass,
         text_steps,
     )
-    from cacheflow_jax.store.tensorstore_store import open_store
+    from cacheflow_jax.store.open import open_store
 
     settings = DemoSettings(requests=args.demo_requests, progress=False)
     config = settings.model_config()

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from bench._common import Report, Target, check_runs, parser, summarize
-from cacheflow_jax.core.blocks import ArrayInfo, BlockInfo, block_key
 from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.core.blocks import ArrayInfo, BlockInfo, block_key
 from cacheflow_jax.tiers.memory import MetadataTier
 
 NAME = "metadata_memory"

@@ -23,8 +23,8 @@ from typing import Any
 
 from bench._common import Report, Target, check_runs, fmt_ratio, parser, summarize, timed
 from cacheflow_jax.replay.engine import replay
-from cacheflow_jax.trace.stats import trace_stats
 from cacheflow_jax.trace.reader import parse_size, read_trace
+from cacheflow_jax.trace.stats import trace_stats
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
 DEFAULT_TRACES = [

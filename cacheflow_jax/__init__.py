@@ -9,6 +9,7 @@ Public surface (docs/design.md has the contracts): `open_store`, `write_store`, 
 
 import importlib
 
+from cacheflow_jax.cache.tiered import TieredCache, kind_of
 from cacheflow_jax.core.blocks import (
     ArrayInfo,
     BlockInfo,
@@ -21,9 +22,8 @@ from cacheflow_jax.core.blocks import (
     block_key,
     parse_key,
 )
-from cacheflow_jax.cache.tiered import TieredCache, kind_of
-from cacheflow_jax.prefetch.scheduler import PrefetchSettings
 from cacheflow_jax.policies import Policy, get_policy, lfu, lfu_plain, lru
+from cacheflow_jax.prefetch.scheduler import PrefetchSettings
 
 # Names from modules that import JAX, TensorStore or orbax load on first use, so that the pure
 # Python parts (policies, replay: `cacheflow replay`) start without paying a second for JAX.
@@ -37,8 +37,8 @@ _LAZY = {
     "ServingSession": ("cacheflow_jax.session.session", "ServingSession"),
     "serving": ("cacheflow_jax.session.session", "serving"),
     "TensorStoreStore": ("cacheflow_jax.store.tensorstore_store", "TensorStoreStore"),
-    "open_store": ("cacheflow_jax.store.tensorstore_store", "open_store"),
-    "write_store": ("cacheflow_jax.store.tensorstore_store", "write_store"),
+    "open_store": ("cacheflow_jax.store.open", "open_store"),
+    "write_store": ("cacheflow_jax.store.write", "write_store"),
 }
 
 

@@ -251,9 +251,15 @@ class FeatureState:
         Returns:
           The candidate keys, at most ``max_candidates``, in source priority order.
         """
-        hist = self.hist
-        if not hist:
+        if not self.hist:
             return []
+        cands, split_c = self._candidates()
+        return self._fill(out, cands, split_c)
+
+    def _candidates(self) -> tuple[dict[str, list[float]], tuple | None]:
+        """The candidates, each a feature row with its sources' columns set, in source priority
+        order; and the current key's ``split_index``."""
+        hist = self.hist
         cfg = self.config
         c = hist[-1]
         cands: dict[str, list[float]] = {}
@@ -322,8 +328,17 @@ class FeatureState:
             best = max(self.starts.values())
             for x, cnt in _top(self.starts, 4):
                 add(x, _BURST_START, cnt / best)
+        return cands, split_c
 
-        # features of every candidate
+    def _fill(
+        self, out: np.ndarray, cands: dict[str, list[float]], split_c: tuple | None
+    ) -> list[str]:
+        """Completes every candidate's row (recency, frequency, key shape, context), writes the
+        first ``max_candidates`` rows into ``out`` and returns their keys."""
+        cfg = self.config
+        c = self.hist[-1]
+        occ = self.occ
+        markov = self.markov
         n1 = self.n - 1
         t, ema = self.t, max(self.ema_gap, 1e-9)
         kind_c, nbytes_c = self.info[c]

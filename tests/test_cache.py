@@ -298,7 +298,7 @@ def test_eight_threads_random_get_put(policy):
         # loop holds the GIL for whole switch intervals, so every worker waiting on TensorStore
         # (which releases the GIL) waits 5 ms to get it back, and the test takes minutes.
         while not stop.is_set():
-            for tier in cache._tiers:
+            for tier in cache.tiers:
                 if tier.used > tier.budget:
                     over_budget.append((tier.name, tier.used))
             time.sleep(0.0002)
@@ -571,9 +571,9 @@ def test_get_many_starts_l3_reads_before_it_promotes_l2_blocks(tmp_path) -> None
     in_l2 = [k for k in keys[:4] if cache.tier_of(k) == "host"]
     assert len(in_l2) == 2
     events = []
-    read_many, load = cache._read_many, cache._tiers[0].load
-    cache._read_many = lambda ks: (events.append(("read", tuple(ks))), read_many(ks))[1]
-    cache._tiers[0].load = lambda v, **kw: (events.append(("promote",)), load(v, **kw))[1]
+    read_many, load = cache.store.read_many, cache.tiers[0].load
+    cache.store.read_many = lambda ks: (events.append(("read", tuple(ks))), read_many(ks))[1]
+    cache.tiers[0].load = lambda v, **kw: (events.append(("promote",)), load(v, **kw))[1]
     batch = [in_l2[0], keys[4], in_l2[1], keys[5]]
     got = cache.get_many(batch)
     assert events[0] == ("read", (keys[4], keys[5])), events

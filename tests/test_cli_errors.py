@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cacheflow_jax.store.tensorstore_store import write_store
 from cacheflow_jax.cli import main
+from cacheflow_jax.store.write import write_store
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT.parent / "shared" / "traces"
@@ -277,7 +277,7 @@ def test_an_interrupt_inside_a_finalizer_still_stops_the_command(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from cacheflow_jax.cli import interrupts_reach_main
-    from training.main import _unraisable
+    from training.main import unraisable_hook
 
     before = sys.unraisablehook
     with pytest.raises(KeyboardInterrupt), interrupts_reach_main():
@@ -285,7 +285,7 @@ def test_an_interrupt_inside_a_finalizer_still_stops_the_command(
         _spin()
     assert sys.unraisablehook is before
     previous = sys.unraisablehook
-    sys.unraisablehook = _unraisable(previous)
+    sys.unraisablehook = unraisable_hook(previous)
     try:
         with pytest.raises(KeyboardInterrupt):
             _InterruptedFinalizer()

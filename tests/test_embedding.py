@@ -126,7 +126,7 @@ def test_rows_share_the_l1_budget_and_slab_rows_allocate_nothing():
     cache = cfj.TieredCache(
         store, device_bytes=16 * 1024, host_bytes=256 * 1024, device_layout="slab"
     )
-    tier = cache._tiers[0]
+    tier = cache.tiers[0]
     for i in range(8):
         cache.get(f"w@{i},0")
     assert cache.stats()["tiers"]["device"]["blocks"] == 8

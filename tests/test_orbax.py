@@ -14,10 +14,11 @@ import pytest
 from flax import nnx
 
 import cacheflow_jax as cfj
-from cacheflow_jax.core.blocks import block_key
 from cacheflow_jax.cache.tiered import TieredCache
-from cacheflow_jax.store.tensorstore_store import open_store, write_store
+from cacheflow_jax.core.blocks import block_key
 from cacheflow_jax.orbax import LazyArray, materialize, restore_lazy
+from cacheflow_jax.store.open import open_store
+from cacheflow_jax.store.write import write_store
 
 MiB = 2**20
 BIG_CHUNK_BYTES = 1024  # orbax splits the "big" leaf into chunks of at most this many bytes

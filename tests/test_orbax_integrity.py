@@ -14,9 +14,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import cacheflow_jax as cfj
-from cacheflow_jax.store.verify import verify_checkpoint
 from cacheflow_jax.cli import main
 from cacheflow_jax.orbax import materialize, restore_lazy
+from cacheflow_jax.store.verify import verify_checkpoint
 
 RNG = np.random.default_rng(7)
 TREE = {

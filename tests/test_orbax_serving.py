@@ -190,7 +190,7 @@ def test_lazy_leaves_say_what_they_are_and_what_to_call(saved: dict[str, Any]) -
         2,
         DIM * VOCAB,
     )
-    assert leaf.sharding.device_set == {leaf.cache._tiers[0].device}
+    assert leaf.sharding.device_set == {leaf.cache.tiers[0].device}
     assert leaf.shape_dtype_struct().shape == leaf.shape
     for op in (lambda: leaf + 1, lambda: 2 * leaf, lambda: leaf @ leaf, lambda: -leaf):
         with pytest.raises(TypeError, match=r"materialize\(leaf\)"):

@@ -20,11 +20,11 @@ from hypothesis import given, settings
 
 from cacheflow_jax import lfu, lfu_plain, lru
 from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.policies import POLICIES, get_policy
+from cacheflow_jax.policies.belady import belady
 from cacheflow_jax.replay.engine import TraceStore, replay
 from cacheflow_jax.tiers.memory import MetadataTier
 from cacheflow_jax.trace.reader import Trace
-from cacheflow_jax.policies import POLICIES, get_policy
-from cacheflow_jax.policies.belady import belady
 
 lfu_module = importlib.import_module("cacheflow_jax.policies.lfu")
 
@@ -56,7 +56,7 @@ def _cache(policy, trace: Trace, device: int, host: int, clock=None) -> TieredCa
 
 
 def _resident(cache: TieredCache) -> set[str]:
-    return {k for tier in cache._tiers for k in tier.entries}
+    return {k for tier in cache.tiers for k in tier.entries}
 
 
 # ------------------------------------------------------------------------- contract suite
@@ -78,7 +78,7 @@ def test_budgets_hold_and_tiers_stay_exclusive(name, keys, sizes, device, host):
     for t, key in enumerate(keys):
         cache.access_sync(key, float(t))
         cache.check_budgets()
-        device_keys, host_keys = (set(tier.entries) for tier in cache._tiers)
+        device_keys, host_keys = (set(tier.entries) for tier in cache.tiers)
         assert not device_keys & host_keys
     stats = cache.stats()
     assert stats["requests"] == len(keys)
@@ -201,7 +201,7 @@ def test_lfu_a_promotion_without_an_access_moves_a_block_and_keeps_its_standing(
     # is forgotten (dropping it from the last tier as if it left the cache put it back as a
     # newcomer in the window, whose overflow then pushed a block out).
     cache = _skewed_two_tier_lfu()
-    policy, state = cache._planner.policy, cache._planner.state
+    policy, state = cache.planner.policy, cache.planner.state
     in_l2 = [k for k in getattr(state, segment) if state.tier_of.get(k) == 1]
     assert in_l2, f"no L2 block in {segment}"
     key = in_l2[0]
@@ -224,17 +224,17 @@ def test_lfu_a_block_in_transit_is_not_taken_for_gone_by_another_access(move):
     # a key keeps its segment (in the demo with the MLP prefetcher the serving loop's accesses
     # settled the worker's moves this way, and the blocks came back as newcomers).
     cache = _skewed_two_tier_lfu()
-    policy, state = cache._planner.policy, cache._planner.state
+    policy, state = cache.planner.policy, cache.planner.state
     src, dst = (0, 1) if move == "demotion" else (1, 0)
     key = next(k for k in state.protected if state.tier_of.get(k) == src)
     other = next(k for k, t in state.tier_of.items() if t == 0 and k != key)
-    cache._inflight[key] = object()  # what the live cache holds while it copies the block
+    state.in_transit[key] = object()  # what the live cache holds while it copies the block
     policy.remove(state, src, key, moving=move == "promotion")
     policy.access(state, other, 0.0)  # a hit of another thread, before the insert
     policy.insert(state, dst, key, 0.0, 1)
     assert key in state.protected and key not in state.ghosts
     assert state.tier_of[key] == dst
-    del cache._inflight[key]
+    del state.in_transit[key]
     # Gone for good (never inserted), it is forgotten at the next access as before.
     policy.remove(state, 0, other)
     policy.access(state, key, 0.0)
@@ -423,10 +423,10 @@ def test_ghosts_and_scores_are_bounded_and_byte_counts_exact():
     cache = _cache(lfu(), trace, 2000, 0)
     for t, key in enumerate(keys):
         cache.access_sync(key, float(t))
-    state = cache._pstate
-    resident = set(cache._tiers[0].entries)
+    state = cache.planner.state
+    resident = set(cache.tiers[0].entries)
     assert resident == {*state.window, *state.probation, *state.protected}
-    assert state.resident == sum(sizes[k] for k in resident) == cache._tiers[0].used
+    assert state.resident == sum(sizes[k] for k in resident) == cache.tiers[0].used
     assert state.window_bytes == sum(state.window.values())
     assert state.ghost_bytes == sum(g[0] for g in state.ghosts.values())
     assert len(state.ghosts) <= max(8 * len(resident), 64)

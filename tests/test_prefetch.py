@@ -41,7 +41,7 @@ def _pattern(n: int, seed: int = 0) -> list[str]:
 
 
 def _residency(cache: cfj.TieredCache) -> dict[str, set[str]]:
-    return {tier.name: set(tier.entries) for tier in cache._tiers}
+    return {tier.name: set(tier.entries) for tier in cache.tiers}
 
 
 class _Clock:
@@ -166,7 +166,7 @@ def test_prefetch_does_not_displace_a_block_worth_more(tmp_path: Path) -> None:
             guess.keys = proposals
             cache.get(_key(3))  # the guess is issued after this access and lands before the next
             cache.get(_key(2))
-            l1 = set(cache._tiers[0].entries)
+            l1 = set(cache.tiers[0].entries)
             pf = cache.stats()["prefetch"]
             if displaces:
                 assert _key(50) in l1 and _key(0) not in l1
@@ -295,7 +295,7 @@ def test_session_exit_cancels_prefetch_cleanly(tmp_path: Path) -> None:
     counters = cache.stats()["prefetch"]
     time.sleep(0.5)  # loads still running in reader threads must not land now
     assert _residency(cache) == resident and cache.stats()["prefetch"] == counters
-    assert not cache._inflight and cache._pf_inflight == 0
+    assert cache.moving() == 0 and cache.prefetch_settled()
     cache.check_budgets()
     # The cache keeps working, and a new session prefetches again.
     with cfj.serving(cache) as s:
@@ -733,12 +733,10 @@ def _reads_for(tmp_path: Path, offset: int) -> dict:
                             prefetcher=_Next(16, offset),
                             prefetch=cfj.PrefetchSettings(k=1, adaptive=False))  # fmt: skip
     with cfj.serving(cache) as s:
-        worker = cache._pf_worker
         for i in range(240):
             assert np.array_equal(np.asarray(s.get(_key(i % 16))), data[i % 16 : i % 16 + 1])
             end = time.monotonic() + 5
-            while not (worker.idle and not worker.feed and not worker.arrived
-                       and not cache._pf_inflight):  # fmt: skip
+            while not cache.prefetch_settled():
                 assert time.monotonic() < end, "the prefetch worker did not settle"
                 time.sleep(0.001)
     return cache.stats()["prefetch"]

@@ -57,7 +57,7 @@ def test_the_worker_promotes_an_l2_guess_to_l1(tmp_path: Path) -> None:
             s.get(_key(i))  # L1: 4..7, L2: 0..3
         for i in range(3):
             s.get(_key(i))  # a loop: 0..2 come back up (reuse gap 8), 4..6 go down
-        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        _wait_for(cache.prefetch_settled)
         assert cache.tier_of(_key(4)) == "host"
         issued = cache.stats()["prefetch"]["issued"]
         guess.keys = [_key(4)]  # what the loop wants after 3
@@ -86,12 +86,12 @@ def test_a_promotion_swaps_two_blocks_and_pushes_nothing_out(tmp_path: Path, pol
             s.get(_key(i))
         for i in range(4):
             s.get(_key(i))  # a loop: 0..3 back up to L1, 4..7 down to L2; both tiers full
-        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        _wait_for(cache.prefetch_settled)
         assert [cache.tier_of(_key(i)) for i in range(8)] == ["device"] * 4 + ["host"] * 4
         guess.keys = [_key(4)]  # what the loop wants after 3
         s.get(_key(3))  # an L1 hit; the worker then promotes 4
         _wait_for(lambda: cache.tier_of(_key(4)) == "device")
-        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        _wait_for(cache.prefetch_settled)
         assert cache.stats()["prefetch"]["promoted"] == 1
         tiers = [cache.tier_of(_key(i)) for i in range(8)]
         assert tiers.count("device") == 4 and tiers.count("host") == 4, tiers
@@ -110,12 +110,12 @@ def test_a_promotion_refused_by_admission_leaves_the_block_in_l2(tmp_path: Path)
     with cfj.serving(cache) as s:
         for i in range(8):
             s.get(_key(i))  # L1: 4..7, each accessed once (no reuse gap), L2: 0..3
-        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        _wait_for(cache.prefetch_settled)
         # Ranked 8th, key 1 is expected 8 accesses from now; every L1 block was accessed
         # within the last 4, so none may leave for it.
         guess.keys = [_key(i) for i in (4, 5, 6, 7, 0, 2, 3, 1)]
         s.get(_key(7))
-        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        _wait_for(cache.prefetch_settled)
         time.sleep(0.05)
         assert cache.tier_of(_key(1)) == "host" and cache.stats()["prefetch"]["promoted"] == 0
         assert np.array_equal(np.asarray(s.get(_key(1))), data[1:2])
@@ -131,5 +131,5 @@ def test_promote_false_never_moves_l2_blocks(tmp_path: Path) -> None:
         for _ in range(3):
             for i in range(8):
                 s.get(_key(i))
-        _wait_for(lambda: cache._pf_worker.idle and not cache._pf_worker.feed)
+        _wait_for(cache.prefetch_settled)
         assert cache.stats()["prefetch"]["promoted"] == 0

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 import cacheflow_jax as cfj
 from bench.policies import shared_traces_dir
 from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.policies.belady import belady, next_uses
 from cacheflow_jax.replay.engine import TraceStore, replay
 from cacheflow_jax.tiers.memory import MetadataTier
 from cacheflow_jax.trace.reader import Trace, TraceFormatError, parse_size, read_trace, write_log
-from cacheflow_jax.policies.belady import belady, next_uses
 
 TRACES = shared_traces_dir()
 MOONCAKE = os.path.join(TRACES, "mooncake_synthetic_trace.jsonl")
@@ -184,7 +184,7 @@ def _replay_cache(trace: Trace, policy, device: int) -> TieredCache:
 @pytest.mark.parametrize("policy", ["lru", "lfu", "belady"])
 @pytest.mark.parametrize(("path", "share"), [(MOONCAKE, 0.05), (CLOUDPHYSICS, 0.0015)])
 def test_one_tier_replay_loop_equals_the_general_loop_step_by_step(policy, path, share):
-    """Replay's one-tier loop (`_access_many_l1`) against the loop for every case, on a timed
+    """Replay's one-tier loop (`access_many_sync`) against the loop for every case, on a timed
     trace (the TTL's sweeps run), with sizes that vary (cloudPhysics: a block larger than L1 is
     never cached): the same residents, counters and policy state after every 50 accesses."""
     trace = read_trace(path, limit=6000)
@@ -204,9 +204,9 @@ def test_one_tier_replay_loop_equals_the_general_loop_step_by_step(policy, path,
     for lo in range(0, len(trace.keys), 50):
         part = slice(lo, lo + 50)
         one.access_many_sync(trace.keys[part], times[part], sizes[part])  # the one-tier loop
-        general._access_many_tiers(trace.keys[part], times[part], sizes[part])
-        assert one._l1.keys() == general._l1.keys(), lo
-        assert one._tiers[0].used == general._tiers[0].used <= budget
+        general.access_many_sync(trace.keys[part], times[part], sizes[part], general=True)
+        assert one.tiers[0].entries.keys() == general.tiers[0].entries.keys(), lo
+        assert one.tiers[0].used == general.tiers[0].used <= budget
     a, b = one.stats(), general.stats()
     for field in ("requests", "hits", "misses", "byte_miss_ratio", "tiers", "policy"):
         assert a[field] == b[field], field
@@ -226,9 +226,9 @@ def test_one_tier_replay_loop_expires_blocks_during_a_run_of_hits():
     times, sizes = t.tolist(), [1] * len(keys)
     for i in range(len(keys)):
         one.access_many_sync(keys[i : i + 1], times[i : i + 1], sizes[i : i + 1])
-        general._access_many_tiers(keys[i : i + 1], times[i : i + 1], sizes[i : i + 1])
-        assert one._l1.keys() == general._l1.keys(), i
-    assert list(one._l1) == ["k0"]  # the other nine expired, with no miss after them
+        general.access_many_sync(keys[i : i + 1], times[i : i + 1], sizes[i : i + 1], general=True)
+        assert one.tiers[0].entries.keys() == general.tiers[0].entries.keys(), i
+    assert list(one.tiers[0].entries) == ["k0"]  # the other nine expired, with no miss after them
 
 
 @pytest.mark.parametrize("batch", [2, 3])
@@ -269,16 +269,15 @@ def test_live_get_many_batches_promote_as_replay_does(policy, batch):
         clock[0] = float(lo)
         live.get_many(part)
         # `get_many` takes its L1 hits first (the hit path), then the rest in order.
-        order = [k for k in part if k in ref._l1] + [k for k in part if k not in ref._l1]
+        order = [k for k in part if k in ref.tiers[0].entries] + [k for k in part if k not in ref.tiers[0].entries]
         ref.access_many_sync(order, [float(lo)] * len(order))
-        assert live._l1.keys() == ref._l1.keys(), lo
-        assert live._tiers[1].entries.keys() == ref._tiers[1].entries.keys(), lo
+        assert live.tiers[0].entries.keys() == ref.tiers[0].entries.keys(), lo
+        assert live.tiers[1].entries.keys() == ref.tiers[1].entries.keys(), lo
         if policy == "lfu":  # and the policy saw the same: every block in the same segment
-            with live._lock:
-                live._drain()  # the hit path's buffered hits reach the policy
+            live.stats()  # the hit path's buffered hits reach the policy
             for segment in ("window", "probation", "protected", "ghosts"):
-                assert list(getattr(live._pstate, segment)) == list(
-                    getattr(ref._pstate, segment)
+                assert list(getattr(live.planner.state, segment)) == list(
+                    getattr(ref.planner.state, segment)
                 ), (lo, segment)
     a, b = live.stats(), ref.stats()
     assert a["hits"]["host"] > 1000 and a["misses"] == n, a

@@ -82,7 +82,7 @@ def test_slab_keeps_bytes_exactly_through_pack_gather_eviction_and_reuse(
         line_bytes=line_bytes,
         read_buffer=1,
     )
-    tier = cache._tiers[0]
+    tier = cache.tiers[0]
     assert isinstance(tier, SlabTier) and tier.budget == budget
     truth: dict[str, np.ndarray] = {}
     taken = 0
@@ -116,7 +116,7 @@ def test_lines_are_reused_after_eviction():
     cache = cfj.TieredCache(
         store, device_bytes=64, host_bytes=0, device_layout="slab", line_bytes=16
     )
-    tier = cache._tiers[0]
+    tier = cache.tiers[0]
     assert tier.slab.num_lines == 4
     first = cache.get("w@0,0")
     lines0 = tier.table["w@0,0"].lines.tolist()
@@ -158,10 +158,10 @@ def test_device_memory_stays_flat_over_10000_get_evict_cycles(layout):
     resident = cache.stats()["tiers"]["device"]["blocks"]
     assert resident == 2
     # On the CPU backend L2 keeps a demoted block's jax.Array (host memory already): count it.
-    in_l2 = sum(isinstance(v, jax.Array) for v in cache._tiers[1].entries.values())
+    in_l2 = sum(isinstance(v, jax.Array) for v in cache.tiers[1].entries.values())
     assert base == (1 if layout == "slab" else resident) + in_l2
     if layout == "slab":
-        pointer = cache._tiers[0].slab.array.unsafe_buffer_pointer()
+        pointer = cache.tiers[0].slab.array.unsafe_buffer_pointer()
     peak = 0
     for i in range(10_000):
         value = cache.get(keys[i % 3])
@@ -174,7 +174,7 @@ def test_device_memory_stays_flat_over_10000_get_evict_cycles(layout):
     assert stats["hits"]["host"] > 5000  # the cycles really moved blocks between the tiers
     if layout == "slab":
         assert peak <= base + 1  # at most the array just handed out
-        assert cache._tiers[0].slab.array.unsafe_buffer_pointer() == pointer
+        assert cache.tiers[0].slab.array.unsafe_buffer_pointer() == pointer
     if base_bytes is not None:
         assert _live_device_bytes() == base_bytes
 
@@ -182,7 +182,7 @@ def test_device_memory_stays_flat_over_10000_get_evict_cycles(layout):
 def test_budget_is_the_slab_size():
     store = cfj.write_store({"w": np.zeros((4, 64), np.float32)}, _url(), chunk_bytes=256)
     cache = cfj.TieredCache(store, device_bytes=1000, host_bytes=0, device_layout="slab")
-    tier = cache._tiers[0]
+    tier = cache.tiers[0]
     assert tier.line_bytes == default_line_bytes([256]) == 256
     assert tier.budget == 768 == tier.slab.array.nbytes  # 1000 rounded down to whole lines
     for i in range(4):

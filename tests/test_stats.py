@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 
 from cacheflow_jax.replay.engine import replay
-from cacheflow_jax.trace.stats import stack_distances, trace_stats
 from cacheflow_jax.trace.reader import Trace, read_trace
+from cacheflow_jax.trace.stats import stack_distances, trace_stats
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 SHARED = {

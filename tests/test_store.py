@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from cacheflow_jax.core.blocks import CorruptBlockError, Store, StoreError, block_key
-from cacheflow_jax.store.tensorstore_store import TensorStoreStore, chunk_shape_for, open_store, write_store
+from cacheflow_jax.store.open import open_store
+from cacheflow_jax.store.tensorstore_store import TensorStoreStore
+from cacheflow_jax.store.write import chunk_shape_for, write_store
 
 DTYPES = [
     np.dtype(np.bool_),
@@ -176,7 +178,7 @@ def test_chunk_bytes_must_be_positive(tmp_path: Path, chunk_bytes: int) -> None:
 
 
 def test_gcs_and_s3_specs_are_built() -> None:
-    from cacheflow_jax.store.locations import _resolve
+    from cacheflow_jax.store.locations import resolve as _resolve
 
     kv, label, local = _resolve("gs://bkt/some/prefix", None, None)
     assert kv == {"driver": "gcs", "bucket": "bkt", "path": "some/prefix/"} and local is None
@@ -638,6 +640,6 @@ def test_fast_path_corruption_names_key_and_file(tmp_path: Path, damage: str) ->
 def test_crc32c_is_the_c_implementation() -> None:
     import google_crc32c
 
-    from cacheflow_jax.store.fastread import _CRC32C
+    from cacheflow_jax.store.fastread import CRC32C as _CRC32C
 
     assert google_crc32c.implementation == "c" and _CRC32C is not None

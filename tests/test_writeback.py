@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cacheflow_jax as cfj
-from cacheflow_jax.store.runtime_format import SUPERSEDED, WRITTEN, next_version
 from cacheflow_jax.policies import POLICIES
+from cacheflow_jax.store.runtime_format import SUPERSEDED, WRITTEN, next_version
 
 N = 50_000  # floats per block in the script: 200 KB, five fit in 1 MiB
 

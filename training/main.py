@@ -39,9 +39,9 @@ class _Parser(argparse.ArgumentParser):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the training options (shared with ``cacheflow train``) to ``p``."""
-    from training import train
+    from training.config import TrainConfig
 
-    d = train.TrainConfig
+    d = TrainConfig
     p.add_argument("logs", nargs="+", metavar="LOG", help="access logs (v1 or Mooncake JSONL)")
     p.add_argument(
         "--out",
@@ -116,14 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """The `training.train.TrainConfig` the parsed options ask for.
+    """The `training.config.TrainConfig` the parsed options ask for.
 
     Raises:
       ValueError: a setting out of range.
     """
-    from training import train
+    from training.config import config
 
-    return train.config(
+    return config(
         args.logs,
         args.out,
         eval_logs=args.eval_log,
@@ -165,7 +165,7 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+def unraisable_hook(previous: Callable[[Any], None]) -> Callable[[Any], None]:
     """An unraisable-exception hook that raises Ctrl-C again in the main thread.
 
     A KeyboardInterrupt that lands in a garbage-collector callback (JAX installs one) or a
@@ -188,7 +188,7 @@ def _unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses the options, trains, prints the evaluation; returns the exit status."""
     previous = sys.unraisablehook
-    sys.unraisablehook = _unraisable(previous)
+    sys.unraisablehook = unraisable_hook(previous)
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -213,10 +213,10 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed
         return int(e.code or 0)
-    from training import train
+    from training.train import run
 
     try:
-        metrics = train.run(config_from_args(args), log=lambda line: print(line, file=sys.stderr))
+        metrics = run(config_from_args(args), log=lambda line: print(line, file=sys.stderr))
     except (ValueError, OSError) as err:  # bad input: one line, status 2
         print(f"{_PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -60,7 +60,7 @@ class WriteBack:
     ) -> None:
         self.store = store
         self.budget = budget
-        self._lock = lock
+        self.lock = lock
         self._resident = resident
         self._to_host = to_host
         self.parked: dict[str, Any] = {}  # dirty blocks that left L1/L2: key -> value
@@ -126,13 +126,13 @@ class WriteBack:
         """Starts writes of the parked blocks (those not being written already)."""
         if not self.parked:
             return
-        with self._lock:
+        with self.lock:
             todo = self._claim(list(self.parked))
         self._submit(todo)
 
     def start_all(self) -> None:
         """Starts writes of every dirty block, parked or resident."""
-        with self._lock:
+        with self.lock:
             todo = self._claim(list(self._dirty))
         self._submit(todo)
 
@@ -172,7 +172,7 @@ class WriteBack:
                 outcome = write.result(timeout=0)
             except BaseException as err:
                 error = err
-        with self._lock:
+        with self.lock:
             self._writing.pop(key, None)
             self._futures.pop(key, None)
             self._written.notify_all()
@@ -217,7 +217,7 @@ class WriteBack:
           StoreError: ``deadline`` has passed (the write-backs keep failing or hang).
         """
         self.start_all()
-        with self._lock:
+        with self.lock:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 last = next(reversed(self._errors.values()), None)
@@ -256,10 +256,10 @@ class WriteBack:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         tries: collections.Counter[str] = collections.Counter()
-        with self._lock:
+        with self.lock:
             target = {key: version.seq for key, version in self._latest.items()}
         while True:
-            with self._lock:
+            with self.lock:
                 left = [k for k, seq in target.items() if not self._reached(k, seq)]
                 if not left:
                     return
@@ -290,7 +290,7 @@ class WriteBack:
           TimeoutError: writes were still in flight after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self.lock:
             while self._writing:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -302,7 +302,7 @@ class WriteBack:
 
     def check_for_errors(self) -> None:
         """Raises the first recorded write-back error, once."""
-        with self._lock:
+        with self.lock:
             errors = list(self._errors.values())
             self._errors.clear()
         if errors:

@@ -44,13 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cacheflow_jax.core.blocks import ArrayInfo, StoreError, block_key
-from cacheflow_jax.tiers.budgets import default_budgets
 from cacheflow_jax.cache.tiered import TieredCache
-from cacheflow_jax.store.orbax_source import ORBAX_MARKERS as _ORBAX_MARKERS
-from cacheflow_jax.store.tensorstore_store import TensorStoreStore, open_store
-from cacheflow_jax.store.verify import verify_checkpoint
+from cacheflow_jax.core.blocks import ArrayInfo, StoreError, block_key
 from cacheflow_jax.policies import Policy
+from cacheflow_jax.store.open import open_store
+from cacheflow_jax.store.orbax_source import ORBAX_MARKERS as _ORBAX_MARKERS
+from cacheflow_jax.store.tensorstore_store import TensorStoreStore
+from cacheflow_jax.store.verify import verify_checkpoint
+from cacheflow_jax.tiers.budgets import default_budgets
 
 __all__ = ["LazyArray", "default_budgets", "materialize", "restore_lazy", "verify_checkpoint"]
 
@@ -143,7 +144,7 @@ class LazyArray:
     @property
     def sharding(self) -> jax.sharding.Sharding:
         """Where the array lands once fetched: the cache's L1 device (a single device)."""
-        return jax.sharding.SingleDeviceSharding(self._cache._tiers[0].device)
+        return jax.sharding.SingleDeviceSharding(self._cache.device)
 
     def shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
         """The array's ``jax.ShapeDtypeStruct`` (shape, dtype, sharding), e.g. for ``jax.eval_shape``."""
@@ -334,6 +335,52 @@ del _name
 # restore_lazy / materialize
 
 
+def _cache_for(
+    path: Any,
+    cache: TieredCache | None,
+    *,
+    device_bytes: int | None,
+    host_bytes: int | None,
+    policy: str | Policy,
+    step: int | None,
+    block_bytes: int | None,
+    runtime: Any,
+    prefetcher: Any,
+    prefetch: Any,
+) -> TieredCache:
+    """`restore_lazy`'s cache: the one given (with no settings beside it), else a new one over
+    ``open_store(path, step=step, runtime=runtime)``."""
+    if cache is None:
+        if device_bytes is None or host_bytes is None:
+            default_device, default_host = default_budgets()
+            device_bytes = default_device if device_bytes is None else device_bytes
+            host_bytes = default_host if host_bytes is None else host_bytes
+        store = open_store(path, step=step, runtime=runtime)
+        cache = TieredCache(
+            store,
+            device_bytes=device_bytes,
+            host_bytes=host_bytes,
+            policy=policy,
+            block_bytes=block_bytes,
+            prefetcher=prefetcher,
+            prefetch=prefetch,
+        )
+    else:
+        if (
+            device_bytes is not None
+            or host_bytes is not None
+            or block_bytes is not None
+            or prefetcher is not None
+            or prefetch is not None
+        ):
+            raise ValueError(
+                f"restore_lazy({_label(path)!r}): pass either cache= or device_bytes=/"
+                "host_bytes=/block_bytes=/prefetcher=/prefetch=, not both (the settings of an "
+                "existing cache are fixed)"
+            )
+    return cache
+
+
 def restore_lazy(
     path: str | os.PathLike[str] | Mapping[str, Any],
     *,
@@ -401,34 +448,9 @@ def restore_lazy(
     >>> params = materialize(tree["layers"]["0"])  # doctest: +SKIP
     """
     given = cache is not None
-    if cache is None:
-        if device_bytes is None or host_bytes is None:
-            default_device, default_host = default_budgets()
-            device_bytes = default_device if device_bytes is None else device_bytes
-            host_bytes = default_host if host_bytes is None else host_bytes
-        store = open_store(path, step=step, runtime=runtime)
-        cache = TieredCache(
-            store,
-            device_bytes=device_bytes,
-            host_bytes=host_bytes,
-            policy=policy,
-            block_bytes=block_bytes,
-            prefetcher=prefetcher,
-            prefetch=prefetch,
-        )
-    else:
-        if (
-            device_bytes is not None
-            or host_bytes is not None
-            or block_bytes is not None
-            or prefetcher is not None
-            or prefetch is not None
-        ):
-            raise ValueError(
-                f"restore_lazy({_label(path)!r}): pass either cache= or device_bytes=/"
-                "host_bytes=/block_bytes=/prefetcher=/prefetch=, not both (the settings of an "
-                "existing cache are fixed)"
-            )
+    cache = _cache_for(path, cache, device_bytes=device_bytes, host_bytes=host_bytes,
+                       policy=policy, step=step, block_bytes=block_bytes, runtime=runtime,
+                       prefetcher=prefetcher, prefetch=prefetch)  # fmt: skip
     store = cache.store
     if not isinstance(store, TensorStoreStore):
         raise TypeError(

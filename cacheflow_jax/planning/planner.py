@@ -383,6 +383,14 @@ class Planner:
             functools.partial(self._insert, state),
         )
 
+    def access_function(self) -> Callable[[str, float], Any]:
+        """The access call to make per access: `access` when the planner tracks prefetches,
+        else the policy's own ``access`` over its state (it returns None: never a prefetch's
+        first use)."""
+        if self.tracking:
+            return self.access
+        return functools.partial(self.policy.access, self.state)
+
     def access(self, key: str, now: float) -> bool:
         """The policy sees an access; returns True if it is the first use of a prefetched block."""
         self._access(self.state, key, now)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 Key = str
@@ -46,6 +46,9 @@ class Policy(NamedTuple):
         ``victim``? (`admit_all` says yes to all; the cache then skips the call.)
       expired: ``expired(state, tier, now) -> list[key]``; residents idle longer than the TTL.
       describe: ``describe(state) -> dict``; settings and adaptive values, for stats.
+      hits: optional ``hits(state, keys, now)``: ``access`` of each of ``keys`` in turn, for a
+        batch of hits the cache buffered; it must leave the state exactly as those accesses
+        would (it is only faster). None: the cache calls ``access`` for each.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Policy(NamedTuple):
     admit: Callable[[Any, Key, Key], bool]
     expired: Callable[[Any, int, float], list[Key]]
     describe: Callable[[Any], dict]
+    hits: Callable[[Any, Sequence[Key], float], None] | None = None
 
 
 def admit_all(state: Any, key: Key, victim_key: Key) -> bool:

@@ -63,6 +63,7 @@ import dataclasses
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from cacheflow_jax.policies.base import Key, Policy, check_ttl
 from cacheflow_jax.policies.minisim import MiniSims
@@ -122,6 +123,7 @@ class LfuState:
     full: bool = False  # a victim was asked for since the last insert
     filled: bool = False  # the last tier has given up a block (two tiers: the cache is full)
     next_sweep: float = -math.inf
+    timed: bool = False  # a TTL is set: accesses record their time
     current: Key | None = None  # the key of the latest access
     missing: bool = False  # the latest access missed the whole cache
     loser: Key | None = None  # the block the whole cache gives up for the current miss
@@ -173,28 +175,11 @@ def lfu(
     if half_life is not None and not half_life > 0:
         raise ValueError(f"half_life={half_life!r} must be > 0 accesses (math.inf: no decay)")
     ttl_s = check_ttl(ttl)
-    fixed_rate = None if half_life is None else (0.0 if half_life == math.inf else 1 / half_life)
     timed = ttl_s != math.inf
     log2 = math.log2
 
     def init(num_tiers: int) -> LfuState:
-        state = LfuState(
-            OrderedDict(), OrderedDict(), OrderedDict(), {}, {}, OrderedDict(), ttl_s, {},
-            num_tiers,
-        )
-        state.share = START if window is None else float(window)
-        state.adaptive = window is None
-        if window is None:  # LRU until the first reuse: see _warm
-            state.share = 1.0
-            state.cold = True
-        if window is None:
-            state.sims = MiniSims(
-                lambda w: lfu(window=w, half_life=half_life, ttl=None), CANDIDATES,
-                sample=int(SAMPLE_BLOCKS), lead=JUMP_LEAD, known=state.score)
-        if fixed_rate is not None:
-            state.rate = fixed_rate
-            state.next_rate_check = 1 << 62
-        return state
+        return _new_state(num_tiers, window, half_life, ttl_s)
 
     def access(state: LfuState, key: Key, now: float) -> None:
         if state.moving:
@@ -257,119 +242,6 @@ def lfu(
         if tick >= state.next_rate_check:
             _check_rate(state)
 
-    def insert(state: LfuState, tier: int, key: Key, now: float, nbytes: int = 1) -> None:
-        if state.tier_of is None and tier > 0:
-            _layer(state, key)
-        if key == state.pending:
-            state.pending = None
-            jump = state.sims.step(
-                key, nbytes, False, state.resident + nbytes, state.count + 1, state.share)
-            if jump is not None:
-                _jump(state, jump)
-        if state.moving and key in state.moving:  # moved between tiers: not judged again
-            del state.moving[key]
-            _place(state, tier, key)
-            if key == state.drop or state.loser is not None:
-                # The tier below had room after all. Before the whole cache was ever full, one
-                # cache would have evicted nothing, and the window's overflow joins probation at
-                # the newcomer's insert; after, it is the room that sizes leave unused in a tier.
-                state.drop = state.loser = None
-                state.full = state.filled
-            return
-        before = state.before
-        # A key that missed has its ghost taken out and its score and ``before`` set by that
-        # access; one inserted without an access (a prefetch) gets them here.
-        if key not in before:
-            ghost = state.ghosts.pop(key, None)
-            if ghost is not None:
-                state.ghost_bytes -= ghost[0]
-            if key not in state.score:  # a fresh count
-                state.score[key] = state.tick * state.rate
-                if state.sims is not None:
-                    state.sims.new_key(key)
-                if timed:
-                    state.last[key] = now
-            before[key] = _NEVER
-        state.window[key] = nbytes
-        state.window_bytes += nbytes
-        resident = state.resident = state.resident + nbytes
-        state.count += 1
-        if not state.full:  # the cache had room: the window's overflow joins probation, no duel
-            limit = state.share * resident
-            while state.window_bytes > limit and len(state.window) > 1:
-                _to_probation(state, next(iter(state.window)))
-        state.full = False
-        if state.tier_of is not None:
-            _place(state, tier, key)
-            if key == state.current:
-                state.missing = False
-
-    def remove(state: LfuState, tier: int, key: Key, moving: bool = False) -> None:
-        if state.tier_of is None:
-            if not tier:  # it may be moving down to L2, the first block there: see _layer
-                state.gone = key
-                state.gone_before = state.before.get(key, _NEVER)
-            _forget(state, key)
-            return
-        if state.tier_of.get(key) != tier:
-            return
-        _unplace(state, tier, key)
-        if tier == state.num_tiers - 1 and key != state.current and not moving:
-            _forget(state, key)  # left the last tier, not promoted: it left the cache
-        else:
-            state.moving[key] = tier  # moved (demoted or promoted), or gone: see _settle
-
-    def victim(state: LfuState, tier: int) -> Key | None:
-        if state.tier_of is None:
-            state.full = True
-            return _loser(state)
-        last = tier == state.num_tiers - 1
-        if not last:
-            # Each block L1 gives up on a miss pairs with the block one cache gives up (if the
-            # tier below has room after all, `insert` undoes the pairing).
-            if state.missing and state.loser is None and state.drop is None:
-                state.full = True
-                loser = _loser(state)
-                if loser is not None and state.tier_of.get(loser) == tier:
-                    state.drop = loser  # one cache would evict it: the tier below refuses it
-                    return loser
-                state.loser = loser
-            return _coldest(state, tier)
-        state.filled = state.full = True
-        loser, state.loser = state.loser, None
-        if loser is None and state.drop is None:  # more room than one cache frees: its next
-            loser = _loser(state)
-        if loser is None or state.tier_of.get(loser) != tier:
-            if loser is not None and loser in state.moving and loser != state.current:
-                state.drop = loser  # the block moving down is the loser: this tier refuses it
-            return _next_in(state, tier)
-        return loser
-
-    def admit(state: LfuState, key: Key, victim_key: Key) -> bool:
-        if key == state.drop:
-            state.drop = None
-            state.moving.pop(key, None)
-            _forget(state, key)
-            return False
-        return True
-
-    def expired(state: LfuState, tier: int, now: float) -> list[Key]:
-        # A sweep every ttl/8 seconds: a block leaves between ttl and 9/8 ttl after its last
-        # access, with no per-access bookkeeping beyond its time.
-        if state.ttl == math.inf or now < state.next_sweep:
-            return []
-        if tier == state.num_tiers - 1:
-            state.next_sweep = now + state.ttl / 8
-        limit = now - state.ttl
-        last = state.last
-        if state.tier_of is None:
-            if tier:
-                return []
-            keys = [*state.window, *state.probation, *state.protected]
-        else:
-            keys = [k for k, t in state.tier_of.items() if t == tier]
-        return [k for k in keys if last.get(k, now) <= limit]
-
     def describe(state: LfuState) -> dict:
         return {
             "name": name,
@@ -383,12 +255,229 @@ def lfu(
             "ttl": None if state.ttl == math.inf else state.ttl,
         }
 
-    return Policy(name, init, access, insert, remove, victim, admit, expired, describe)
+    def hits(state: LfuState, keys: Sequence[Key], now: float) -> None:
+        _hits(state, keys, now, access)
+
+    return Policy(
+        name, init, access, _insert, _remove, _victim, _admit, _expired, describe, hits
+    )
 
 
 def lfu_plain(*, ttl: float | None = 86400.0) -> Policy:
     """``lfu`` with plain counts (no decay), for comparison: LFU's test at the window's exit."""
     return lfu(half_life=math.inf, ttl=ttl, name="lfu-plain")
+
+
+# ---------------------------------------------------------------- the rest of the Policy
+# (what needs nothing but the state; `access`, the hot one, stays a closure in `lfu`)
+
+
+def _hits(
+    state: LfuState, keys: Sequence[Key], now: float, access: Callable[..., None]
+) -> None:
+    """`access` of each of ``keys`` in turn (the cache's buffered L1 hits), with the common case
+    inline: a resident key's hit while nothing else is due (no move to settle, not cold).
+    Anything else goes through ``access`` itself, so the result is the same to the bit."""
+    score, window, protected, probation = state.score, state.window, state.protected, state.probation
+    before, last, timed, log2 = state.before, state.last, state.timed, math.log2
+    placed = state.tier_of is not None
+    sims = state.sims
+    members = sims.members if sims is not None else None
+    rate = state.rate
+    popfirst = protected.popitem
+    for key in keys:
+        if state.moving or state.cold:
+            access(state, key, now)
+            rate = state.rate
+            continue
+        if key in window:
+            segment = window
+        elif key in protected:
+            segment = protected
+        elif key in probation:
+            segment = probation
+        else:
+            segment = None
+        old = score.get(key)
+        if segment is None or old is None:  # not a hit after all
+            access(state, key, now)
+            rate = state.rate
+            continue
+        tick = state.tick = state.tick + 1
+        base = tick * rate
+        x = old - base  # log2 of the count now
+        score[key] = base + (log2(1.0 + 2.0**x) if x < 50.0 else x)
+        if timed:
+            last[key] = now
+        if segment is window:
+            window.move_to_end(key)
+            before[key] = old
+        elif segment is protected:
+            protected.move_to_end(key)
+        else:  # _promote, inline
+            nbytes = probation.pop(key)
+            protected[key] = nbytes
+            probation_bytes = state.probation_bytes - nbytes
+            protected_bytes = state.protected_bytes + nbytes
+            limit = PROTECTED * (state.resident - state.window_bytes)
+            while protected_bytes > limit and len(protected) > 1:
+                oldest, n = popfirst(last=False)
+                protected_bytes -= n
+                probation[oldest] = n
+                probation_bytes += n
+            state.probation_bytes = probation_bytes
+            state.protected_bytes = protected_bytes
+            segment = protected
+        if placed:
+            state.current = key
+            state.missing = False
+            state.loser = state.drop = None
+        if sims is not None and (not sims.mask or key in members):
+            jump = sims.step(key, segment[key], True, state.resident, state.count, state.share)
+            if jump is not None:
+                _jump(state, jump)
+            members = sims.members
+            rate = state.rate
+        if tick >= state.next_rate_check:
+            _check_rate(state)
+            rate = state.rate
+
+
+def _new_state(
+    num_tiers: int, window: float | None, half_life: float | None, ttl: float
+) -> LfuState:
+    """`lfu`'s ``init``: an empty state for ``num_tiers`` tiers (settings already checked)."""
+    state = LfuState(
+        OrderedDict(), OrderedDict(), OrderedDict(), {}, {}, OrderedDict(), ttl, {}, num_tiers,
+    )
+    state.timed = ttl != math.inf
+    state.adaptive = window is None
+    if window is None:  # LRU until the first reuse (see _warm), then from START
+        state.share = 1.0
+        state.cold = True
+        state.sims = MiniSims(
+            lambda w: lfu(window=w, half_life=half_life, ttl=None), CANDIDATES,
+            sample=int(SAMPLE_BLOCKS), lead=JUMP_LEAD, known=state.score)
+    else:
+        state.share = float(window)
+    if half_life is not None:
+        state.rate = 0.0 if half_life == math.inf else 1 / half_life
+        state.next_rate_check = 1 << 62
+    return state
+
+
+def _insert(state: LfuState, tier: int, key: Key, now: float, nbytes: int = 1) -> None:
+    if state.tier_of is None and tier > 0:
+        _layer(state, key)
+    if key == state.pending:
+        state.pending = None
+        jump = state.sims.step(
+            key, nbytes, False, state.resident + nbytes, state.count + 1, state.share)
+        if jump is not None:
+            _jump(state, jump)
+    if state.moving and key in state.moving:  # moved between tiers: not judged again
+        del state.moving[key]
+        _place(state, tier, key)
+        if key == state.drop or state.loser is not None:
+            # The tier below had room after all. Before the whole cache was ever full, one
+            # cache would have evicted nothing, and the window's overflow joins probation at
+            # the newcomer's insert; after, it is the room that sizes leave unused in a tier.
+            state.drop = state.loser = None
+            state.full = state.filled
+        return
+    before = state.before
+    # A key that missed has its ghost taken out and its score and ``before`` set by that
+    # access; one inserted without an access (a prefetch) gets them here.
+    if key not in before:
+        ghost = state.ghosts.pop(key, None)
+        if ghost is not None:
+            state.ghost_bytes -= ghost[0]
+        if key not in state.score:  # a fresh count
+            state.score[key] = state.tick * state.rate
+            if state.sims is not None:
+                state.sims.new_key(key)
+            if state.timed:
+                state.last[key] = now
+        before[key] = _NEVER
+    state.window[key] = nbytes
+    state.window_bytes += nbytes
+    resident = state.resident = state.resident + nbytes
+    state.count += 1
+    if not state.full:  # the cache had room: the window's overflow joins probation, no duel
+        limit = state.share * resident
+        while state.window_bytes > limit and len(state.window) > 1:
+            _to_probation(state, next(iter(state.window)))
+    state.full = False
+    if state.tier_of is not None:
+        _place(state, tier, key)
+        if key == state.current:
+            state.missing = False
+
+def _remove(state: LfuState, tier: int, key: Key, moving: bool = False) -> None:
+    if state.tier_of is None:
+        if not tier:  # it may be moving down to L2, the first block there: see _layer
+            state.gone = key
+            state.gone_before = state.before.get(key, _NEVER)
+        _forget(state, key)
+        return
+    if state.tier_of.get(key) != tier:
+        return
+    _unplace(state, tier, key)
+    if tier == state.num_tiers - 1 and key != state.current and not moving:
+        _forget(state, key)  # left the last tier, not promoted: it left the cache
+    else:
+        state.moving[key] = tier  # moved (demoted or promoted), or gone: see _settle
+
+def _victim(state: LfuState, tier: int) -> Key | None:
+    if state.tier_of is None:
+        state.full = True
+        return _loser(state)
+    last = tier == state.num_tiers - 1
+    if not last:
+        # Each block L1 gives up on a miss pairs with the block one cache gives up (if the
+        # tier below has room after all, `insert` undoes the pairing).
+        if state.missing and state.loser is None and state.drop is None:
+            state.full = True
+            loser = _loser(state)
+            if loser is not None and state.tier_of.get(loser) == tier:
+                state.drop = loser  # one cache would evict it: the tier below refuses it
+                return loser
+            state.loser = loser
+        return _coldest(state, tier)
+    state.filled = state.full = True
+    loser, state.loser = state.loser, None
+    if loser is None and state.drop is None:  # more room than one cache frees: its next
+        loser = _loser(state)
+    if loser is None or state.tier_of.get(loser) != tier:
+        if loser is not None and loser in state.moving and loser != state.current:
+            state.drop = loser  # the block moving down is the loser: this tier refuses it
+        return _next_in(state, tier)
+    return loser
+
+def _admit(state: LfuState, key: Key, victim_key: Key) -> bool:
+    if key == state.drop:
+        state.drop = None
+        state.moving.pop(key, None)
+        _forget(state, key)
+        return False
+    return True
+
+def _expired(state: LfuState, tier: int, now: float) -> list[Key]:
+    # A sweep every ttl/8 seconds: a block leaves between ttl and 9/8 ttl after its last
+    # access, with no per-access bookkeeping beyond its time.
+    if state.ttl == math.inf or now < state.next_sweep:
+        return []
+    if tier == state.num_tiers - 1:
+        state.next_sweep = now + state.ttl / 8
+    limit = now - state.ttl
+    last = state.last
+    if state.tier_of is None:
+        if tier:
+            return []
+        keys = [*state.window, *state.probation, *state.protected]
+    else:
+        keys = [k for k, t in state.tier_of.items() if t == tier]
+    return [k for k in keys if last.get(k, now) <= limit]
 
 
 # ------------------------------------------------------------------------------ one cache

@@ -59,7 +59,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from cacheflow_jax.planning.planner import Admission
@@ -268,16 +268,42 @@ _FEED = 1 << 16  # accesses (or batches) waiting for the worker, at most
 _ROUND = 32  # feed items observed per round of the worker, at most
 
 
+class PrefetchTarget(Protocol):
+    """What the worker moves blocks through (the cache's
+    `cacheflow_jax.cache.prefetch_driver.PrefetchDriver`)."""
+
+    def now(self) -> float:
+        """The cache's clock."""
+        ...
+
+    def rank(self, ranking: dict[str, int]) -> None:
+        """The predictor's ranks of its newest guesses (1 is the best)."""
+        ...
+
+    def issue(self, key: str, worker: PrefetchWorker, rank: int, *, promote: bool = True) -> str:
+        """Starts a load of ``key`` (or promotes it from L2); ``"issued"``, ``"skip"``,
+        ``"full"`` or ``"promote"``."""
+        ...
+
+    def install(self, key: str, future: Any) -> None:
+        """Lands an arrived load."""
+        ...
+
+    def abandon(self, worker: PrefetchWorker) -> None:
+        """Forgets the loads of a stopped worker."""
+        ...
+
+
 class PrefetchWorker:
     """The live cache's background thread: observes the feed, issues loads, installs arrivals.
 
     Args:
-      cache: the `TieredCache` (its ``_prefetch_issue`` / ``_prefetch_install`` do the moves).
+      target: where loads go (a `PrefetchTarget`: the cache's prefetch driver).
       scheduler: the `PrefetchScheduler`.
     """
 
-    def __init__(self, cache: Any, scheduler: PrefetchScheduler) -> None:
-        self.cache = cache
+    def __init__(self, target: PrefetchTarget, scheduler: PrefetchScheduler) -> None:
+        self.target = target
         self.scheduler = scheduler
         # Keys, or tuples of keys (a get_many). Bounded: when the worker falls behind (it works at
         # most max_duty of the time), the oldest accesses are dropped; the predictor sees the
@@ -315,7 +341,7 @@ class PrefetchWorker:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        cache, scheduler = self.cache, self.scheduler
+        target, scheduler = self.target, self.scheduler
         duty = scheduler.settings.max_duty
         while not self._stop:
             self.idle = True
@@ -331,9 +357,9 @@ class PrefetchWorker:
             backlog = len(self.feed) > _ROUND
             while self.arrived:
                 key, future = self.arrived.popleft()
-                cache._prefetch_install(key, future)
+                target.install(key, future)
             observed = False
-            now = cache._clock()
+            now = target.now()
             feed = self.feed
             # Take what is waiting now, at most _ROUND items: when accesses pile up, the oldest
             # are skipped (the next prediction depends on the newest), and the round stays short.
@@ -353,22 +379,22 @@ class PrefetchWorker:
                 # The rest of the old queue went stale. Each guess carries its rank, for the
                 # planner's prefetch admission (a victim the predictor ranks higher stays).
                 proposed = scheduler.candidates()
-                cache._planner.ranking = {key: r + 1 for r, (key, _) in enumerate(proposed)}
+                target.rank({key: r + 1 for r, (key, _) in enumerate(proposed)})
                 self._queue = [(key, r + 1) for r, (key, _) in enumerate(proposed)]
             # L3 reads first, in the predictor's order: they take longest, and promotions (a
             # host-to-device copy each, done here) would only delay them.
             later = []
             while self._queue:
                 key, rank = self._queue[0]
-                verdict = cache._prefetch_issue(key, self, rank, promote=False)
+                verdict = target.issue(key, self, rank, promote=False)
                 if verdict == "full":
                     break  # in-flight bytes at their bound: try again after an arrival
                 self._queue.pop(0)
                 if verdict == "promote":
                     later.append((key, rank))
             for key, rank in later:
-                cache._prefetch_issue(key, self, rank)
+                target.issue(key, self, rank)
             busy = time.perf_counter() - start
             if backlog and duty < 1.0 and busy > 0:
                 time.sleep(busy * (1.0 / duty - 1.0))
-        cache._prefetch_abandon(self)
+        target.abandon(self)

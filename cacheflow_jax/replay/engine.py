@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from cacheflow_jax.core.blocks import ArrayInfo, BlockInfo, BudgetError
 from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.core.blocks import ArrayInfo, BlockInfo, BudgetError
+from cacheflow_jax.policies import Policy, get_policy
 from cacheflow_jax.prefetch.scheduler import PrefetchSettings
 from cacheflow_jax.tiers.memory import PRESENT, MetadataTier
 from cacheflow_jax.trace.reader import Trace
-from cacheflow_jax.policies import Policy, get_policy
 
 
 class _Ready:

@@ -145,7 +145,7 @@ class EmbeddingRows:
         ]
         self.period = int(period)
         self.decay = 0.5 ** (1.0 / half_life)
-        tier = cache._tiers[0]
+        tier = cache.tiers[0]
         self._tier = tier
         self.layout = "slab" if isinstance(tier, SlabTier) else "arrays"
         if self.layout == "slab":

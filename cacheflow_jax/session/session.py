@@ -18,9 +18,9 @@ from typing import Any
 
 import jax
 
-from cacheflow_jax.trace.writer import AccessLogWriter
 from cacheflow_jax.cache.tiered import TieredCache
 from cacheflow_jax.session.embedding import EmbeddingRows
+from cacheflow_jax.trace.writer import AccessLogWriter
 
 
 class ServingSession:
@@ -131,7 +131,7 @@ class ServingSession:
         if rows is None:
             budget = self._embedding_bytes
             if budget is None:
-                budget = self.cache._tiers[0].budget // 2
+                budget = self.cache.tiers[0].budget // 2
             rows = EmbeddingRows(self.cache, table, device_bytes=budget, **self._row_settings)
             self._rows[table] = rows
         return rows.lookup(ids)

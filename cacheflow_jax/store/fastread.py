@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16, float8_*, int4 with numpy by name)
 import numpy as np
@@ -29,18 +29,16 @@ except ImportError:  # a declared dependency; without it every chunk is read by 
     google_crc32c = None
 
 from cacheflow_jax.core.blocks import HOW_TO_REPAIR, ArrayInfo, CorruptBlockError, StoreError
+from cacheflow_jax.store.entry import Entry, FastArray
 from cacheflow_jax.store.futures import thread_pool
-from cacheflow_jax.store.locations import _CONTEXT_SPEC, _location
-
-if TYPE_CHECKING:
-    from cacheflow_jax.store.tensorstore_store import _Entry
+from cacheflow_jax.store.locations import CONTEXT_SPEC, location
 
 # The fast chunk path (see TensorStoreStore.read): zarr3 chunks whose codecs are exactly
 # bytes (little endian) + crc32c are read as raw chunk files with the kvstore and checked here.
 # google_crc32c's C implementation runs at several GB/s and releases the GIL for bytes objects
 # of 1 MiB and more; its pure-Python fallback would be far slower than TensorStore, so only the
 # C one is used.
-_CRC32C: Callable[[bytes], int] | None = (
+CRC32C: Callable[[bytes], int] | None = (
     google_crc32c.value
     if google_crc32c is not None and getattr(google_crc32c, "implementation", "") == "c"
     else None
@@ -51,7 +49,7 @@ _CRC32C_RESIDUE = 0x48674BC7
 # zarr3 data types whose ``bytes`` codec layout is numpy's little-endian layout of the same
 # dtype. bool is left to TensorStore (a stored byte other than 0/1 must not become a bool), and
 # so are packed sub-byte types (int4, ...).
-_FAST_DTYPES = frozenset(
+FAST_DTYPES = frozenset(
     {
         "int8",
         "uint8",
@@ -76,12 +74,12 @@ _FAST_DTYPES = frozenset(
 )
 
 
-def _file_pool() -> ThreadPoolExecutor:
+def file_pool() -> ThreadPoolExecutor:
     """The reader threads of the fast path: as many as TensorStore's file_io_concurrency."""
-    return thread_pool("read", _CONTEXT_SPEC["file_io_concurrency"]["limit"])
+    return thread_pool("read", CONTEXT_SPEC["file_io_concurrency"]["limit"])
 
 
-def _read_chunk_file(entry: _Entry, store: str) -> np.ndarray | None:
+def read_chunk_file(entry: Entry, store: str) -> np.ndarray | None:
     """Reads and checks one chunk file (on a reader thread); None if the file does not exist.
 
     The file is read with ``preadv`` straight into a fresh 64-byte aligned buffer (the only
@@ -129,13 +127,13 @@ def _read_chunk_file(entry: _Entry, store: str) -> np.ndarray | None:
     finally:
         os.close(fd)
     buf.flags.writeable = False  # google_crc32c takes read-only buffers only
-    if _CRC32C(buf) != _CRC32C_RESIDUE:
+    if CRC32C(buf) != _CRC32C_RESIDUE:
         stored = int.from_bytes(buf[-4:].tobytes(), "little")
         raise _corrupt(
             entry,
             store,
             f"crc32c digest mismatch, stored digest is 0x{stored:08x} but computed digest is "
-            f"0x{_CRC32C(buf[:-4]):08x}",
+            f"0x{CRC32C(buf[:-4]):08x}",
         )
     stored = int.from_bytes(buf[-4:].tobytes(), "little")
     if entry.crc is not None and stored != entry.crc:
@@ -152,7 +150,7 @@ def _read_chunk_file(entry: _Entry, store: str) -> np.ndarray | None:
     return arr if entry.clip is None else arr[entry.clip].copy()
 
 
-def _corrupt(entry: _Entry, store: str, why: str) -> CorruptBlockError:
+def _corrupt(entry: Entry, store: str, why: str) -> CorruptBlockError:
     """The error for a damaged chunk file, worded as for TensorStore's own checks."""
     return CorruptBlockError(
         f"block {entry.info.key!r} in store {store} is corrupt ({entry.where}): DATA_LOSS: "
@@ -160,22 +158,7 @@ def _corrupt(entry: _Entry, store: str, why: str) -> CorruptBlockError:
     )
 
 
-class _FastArray:
-    """How the chunk files of one zarr3 array (codecs bytes + crc32c) are laid out."""
-
-    __slots__ = ("dtype", "chunk_shape", "count", "nbytes", "name")
-
-    def __init__(
-        self, dtype: np.dtype, chunk_shape: tuple[int, ...], name: Callable[[tuple[int, ...]], str]
-    ) -> None:
-        self.dtype = dtype
-        self.chunk_shape = chunk_shape
-        self.count = int(np.prod(chunk_shape, dtype=np.int64))
-        self.nbytes = self.count * dtype.itemsize  # payload of every chunk file, edge ones too
-        self.name = name  # grid index -> chunk key under the array's directory
-
-
-def _zarr3_chunk_name(encoding: Any) -> Callable[[tuple[int, ...]], str] | None:
+def zarr3_chunk_name(encoding: Any) -> Callable[[tuple[int, ...]], str] | None:
     """The chunk key (under the array's directory) of a zarr3 chunk, from its grid index, for
     the array's ``chunk_key_encoding``; None for an encoding this does not know.
 
@@ -203,14 +186,14 @@ def _zarr3_chunk_name(encoding: Any) -> Callable[[tuple[int, ...]], str] | None:
     return None
 
 
-def _zarr3_chunk_where(label: str, path: str, encoding: Any) -> Callable[[tuple[int, ...]], str]:
+def zarr3_chunk_where(label: str, path: str, encoding: Any) -> Callable[[tuple[int, ...]], str]:
     """Names the file of a zarr3 chunk from its grid index (for error messages)."""
-    name = _zarr3_chunk_name(encoding) or _zarr3_chunk_name("default")
+    name = zarr3_chunk_name(encoding) or zarr3_chunk_name("default")
     assert name is not None
-    return lambda idx: _location(label, f"{path}/{name(idx)}")
+    return lambda idx: location(label, f"{path}/{name(idx)}")
 
 
-def _codec(entry: Any) -> tuple[str, Mapping[str, Any]] | None:
+def zarr3_codec(entry: Any) -> tuple[str, Mapping[str, Any]] | None:
     """(name, configuration) of one zarr3 codec entry (an object, or a bare name)."""
     if isinstance(entry, str):
         return entry, {}
@@ -220,19 +203,19 @@ def _codec(entry: Any) -> tuple[str, Mapping[str, Any]] | None:
     return None
 
 
-def _fast_layout(meta: Mapping[str, Any], arr: ArrayInfo) -> _FastArray | None:
+def fast_layout(meta: Mapping[str, Any], arr: ArrayInfo) -> FastArray | None:
     """The fast-path layout of a zarr3 array, or None if its chunks must go via TensorStore.
 
     Fast: a regular chunk grid, codecs exactly ``bytes`` (little endian, or any endianness for
-    1-byte types) then ``crc32c``, no storage transformers, a data type in ``_FAST_DTYPES``, a
+    1-byte types) then ``crc32c``, no storage transformers, a data type in ``FAST_DTYPES``, a
     known chunk key encoding, a little-endian machine and google_crc32c's C implementation.
     """
-    if _CRC32C is None or sys.byteorder != "little":
+    if CRC32C is None or sys.byteorder != "little":
         return None
     if meta.get("zarr_format") != 3 or meta.get("storage_transformers"):
         return None
     data_type = meta.get("data_type")
-    if data_type not in _FAST_DTYPES or np.dtype(data_type) != arr.dtype:
+    if data_type not in FAST_DTYPES or np.dtype(data_type) != arr.dtype:
         return None
     grid = meta.get("chunk_grid") or {}
     if not isinstance(grid, Mapping) or grid.get("name") != "regular":
@@ -240,7 +223,7 @@ def _fast_layout(meta: Mapping[str, Any], arr: ArrayInfo) -> _FastArray | None:
     chunk_shape = tuple(int(c) for c in (grid.get("configuration") or {}).get("chunk_shape", ()))
     if chunk_shape != tuple(arr.chunk_shape) or len(chunk_shape) != len(arr.shape):
         return None
-    codecs = [_codec(c) for c in meta.get("codecs") or ()]
+    codecs = [zarr3_codec(c) for c in meta.get("codecs") or ()]
     if len(codecs) != 2 or codecs[0] is None or codecs[1] is None:
         return None
     (first, bytes_config), (second, crc_config) = codecs
@@ -250,7 +233,7 @@ def _fast_layout(meta: Mapping[str, Any], arr: ArrayInfo) -> _FastArray | None:
         return None
     if arr.dtype.itemsize > 1 and bytes_config.get("endian") != "little":
         return None
-    name = _zarr3_chunk_name(meta.get("chunk_key_encoding"))
+    name = zarr3_chunk_name(meta.get("chunk_key_encoding"))
     if name is None:
         return None
-    return _FastArray(arr.dtype, chunk_shape, name)
+    return FastArray(arr.dtype, chunk_shape, name)

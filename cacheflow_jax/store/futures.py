@@ -14,16 +14,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from cacheflow_jax.core.blocks import HOW_TO_REPAIR, CorruptBlockError, StoreError, StoreTimeoutError
+from cacheflow_jax.core.blocks import (
+    HOW_TO_REPAIR,
+    CorruptBlockError,
+    StoreError,
+    StoreTimeoutError,
+)
 from cacheflow_jax.core.pytree import tree_map
-from cacheflow_jax.store.runtime_format import _decode_runtime
+from cacheflow_jax.store.runtime_format import decode_runtime
 
 if TYPE_CHECKING:
-    from cacheflow_jax.store.tensorstore_store import TensorStoreStore, _Entry
+    from cacheflow_jax.store.entry import Entry
 
 
 # TensorStore reports a chunk it cannot decode (truncated, or damaged compressed data) as
@@ -48,7 +53,7 @@ def _corrupt_status(msg: str) -> bool:
     return "FAILED_PRECONDITION" in msg and any(m in msg for m in _UNDECODABLE)
 
 
-def _translate(err: BaseException, key: str, store: str, where: str) -> BaseException:
+def translate_error(err: BaseException, key: str, store: str, where: str) -> BaseException:
     """Maps a TensorStore error for block ``key`` to a cacheflow error."""
     msg = str(err)
     if _corrupt_status(msg):
@@ -80,7 +85,7 @@ class Deadline:
         return None if self.at is None else max(0.0, self.at - time.monotonic())
 
 
-def _result(future: Any, deadline: Deadline, what: str) -> Any:
+def wait_for(future: Any, deadline: Deadline, what: str) -> Any:
     """Waits for ``future`` until ``deadline``; a timeout raises `StoreTimeoutError` on ``what``.
 
     Other errors pass through unchanged.
@@ -130,7 +135,7 @@ class StoreFuture:
         return raw
 
     def _error(self, err: BaseException) -> BaseException:
-        return _translate(err, self._key, self._store, self._where)
+        return translate_error(err, self._key, self._store, self._where)
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not)."""
@@ -152,7 +157,7 @@ class VerifiedChunkFuture(StoreFuture):
 
     __slots__ = ("_entry",)
 
-    def __init__(self, future: Any, entry: _Entry, store: str) -> None:
+    def __init__(self, future: Any, entry: Entry, store: str) -> None:
         super().__init__(future, entry.info.key, store, entry.where)
         self._entry = entry
 
@@ -182,8 +187,22 @@ class VerifiedChunkFuture(StoreFuture):
         return raw
 
 
+class EntryReader(Protocol):
+    """What a future that may fall back to TensorStore needs of the reads that started it (a
+    `cacheflow_jax.store.reads.BlockReads`)."""
+
+    @property
+    def spec(self) -> str:
+        """The store's path or URL, as used in error messages."""
+        ...
+
+    def read_ts(self, entry: Entry) -> StoreFuture:
+        """Reads the block of ``entry`` through TensorStore's array driver."""
+        ...
+
+
 class FastChunkFuture(StoreFuture):
-    """A fast-path chunk read (see ``_fastread``); ``result()`` is the block's array.
+    """A fast-path chunk read (see ``fastread``); ``result()`` is the block's array.
 
     The chunk file is read and checked on a reader thread. A chunk without a file is handed to
     TensorStore by ``result()``, which decides what a missing chunk means for the store.
@@ -191,7 +210,7 @@ class FastChunkFuture(StoreFuture):
 
     __slots__ = ("_owner", "_entry")
 
-    def __init__(self, future: Any, owner: TensorStoreStore, entry: _Entry) -> None:
+    def __init__(self, future: Any, owner: EntryReader, entry: Entry) -> None:
         super().__init__(future, entry.info.key, owner.spec, entry.where)
         self._owner = owner
         self._entry = entry
@@ -202,7 +221,7 @@ class FastChunkFuture(StoreFuture):
         value = self._future.result(timeout=timeout)  # TimeoutError, or the reader's error
         if value is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self._owner._read_ts(self._entry).result(timeout=left)
+            return self._owner.read_ts(self._entry).result(timeout=left)
         return value
 
 
@@ -217,7 +236,7 @@ class RuntimeReadFuture(StoreFuture):
                 f"runtime block {self._key!r} in store {self._store} is listed but its file "
                 f"{self._where} is missing; another process may have deleted it"
             )
-        return _decode_runtime(raw.value, self._key, self._store, self._where)
+        return decode_runtime(raw.value, self._key, self._store, self._where)
 
 
 class WriteFuture(StoreFuture):
@@ -259,7 +278,7 @@ class ReadyFuture(StoreFuture):
         fn(self)
 
 
-def _wait_all(futures: Iterable[Any], what: str, deadline: Deadline | None = None) -> list[Any]:
+def wait_all(futures: Iterable[Any], what: str, deadline: Deadline | None = None) -> list[Any]:
     """Waits for every future (all issued already) and raises StoreError on the first error.
 
     With a ``deadline``, a future still pending at the deadline raises `StoreTimeoutError`.
@@ -268,7 +287,7 @@ def _wait_all(futures: Iterable[Any], what: str, deadline: Deadline | None = Non
     out = []
     for f in futures:
         try:
-            out.append(_result(f, deadline, what))
+            out.append(wait_for(f, deadline, what))
         except StoreError:
             raise
         except Exception as err:

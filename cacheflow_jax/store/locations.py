@@ -1,9 +1,9 @@
 """Where a store lives: paths, URLs and kvstore specs, and the TensorStore context they open in.
 
-`_resolve` turns what a user passes to ``open_store`` (a local path, ``file://``, ``memory://``,
+`resolve` turns what a user passes to ``open_store`` (a local path, ``file://``, ``memory://``,
 ``s3://``, ``gs://`` or a kvstore spec dict) into one kvstore spec, a label for error messages and
 the local directory if there is one. Every store of the process opens in one TensorStore context
-(``_CONTEXT``), so ``memory://`` stores written and opened in one process see the same data.
+(``CONTEXT``), so ``memory://`` stores written and opened in one process see the same data.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import tensorstore as ts
 
 from cacheflow_jax.core.blocks import DEFAULT_RETRIES, DEFAULT_TIMEOUT, StoreError  # noqa: F401
-from cacheflow_jax.store.futures import Deadline, _result
+from cacheflow_jax.store.futures import Deadline, wait_for
 
 # One context for every store in the process.
 # * cache_pool 0: the cache's L2 tier is the host cache; a TensorStore chunk cache would hold a
@@ -31,13 +31,13 @@ from cacheflow_jax.store.futures import Deadline, _result
 #   prefetcher; SSDs need a deep queue to reach their bandwidth, and blocked threads are cheap.
 # * memory://: the memory kvstore lives in this context, so write_store and open_store in one
 #   process see the same data.
-_CONTEXT_SPEC: dict[str, Any] = {
+CONTEXT_SPEC: dict[str, Any] = {
     "cache_pool": {"total_bytes_limit": 0},
     "cache_pool#ocdbt": {"total_bytes_limit": 64 * 2**20},
     "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
     "file_io_concurrency": {"limit": max(32, 8 * (os.cpu_count() or 2))},
 }
-_CONTEXT = ts.Context(_CONTEXT_SPEC)
+CONTEXT = ts.Context(CONTEXT_SPEC)
 
 # L3 operations have deadlines (see TieredCache(l3_timeout=) and open_store(timeout=)). Object
 # stores also retry failed requests; TensorStore's default is 32 retries with backoff, about 11
@@ -48,7 +48,7 @@ _CONTEXTS: dict[int, ts.Context] = {}
 def store_context(retries: int) -> ts.Context:
     """The TensorStore context of stores that retry failed S3/GCS requests ``retries`` times.
 
-    A child of ``_CONTEXT``: it shares the cache pools, the concurrency limits and the memory
+    A child of ``CONTEXT``: it shares the cache pools, the concurrency limits and the memory
     kvstore, and overrides only the retry policy.
     """
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -59,13 +59,13 @@ def store_context(retries: int) -> ts.Context:
         context = _CONTEXTS.setdefault(
             retries,
             ts.Context(
-                {"s3_request_retries": policy, "gcs_request_retries": policy}, parent=_CONTEXT
+                {"s3_request_retries": policy, "gcs_request_retries": policy}, parent=CONTEXT
             ),
         )
     return context
 
 
-def _join(kv: Mapping[str, Any], sub: str) -> dict[str, Any]:
+def join_spec(kv: Mapping[str, Any], sub: str) -> dict[str, Any]:
     """The kvstore spec ``kv`` with ``sub`` appended to its path."""
     out = dict(kv)
     out["path"] = str(kv.get("path", "")) + sub
@@ -99,7 +99,7 @@ def _s3_spec(bucket: str, prefix: str, endpoint: str | None, region: str | None)
     return spec
 
 
-def _resolve(
+def resolve(
     spec_or_path: str | os.PathLike[str] | Mapping[str, Any],
     s3_endpoint: str | None,
     s3_region: str | None,
@@ -146,15 +146,15 @@ def _resolve(
     )
 
 
-def _location(label: str, name: str) -> str:
+def location(label: str, name: str) -> str:
     """A readable location of kvstore key ``name`` under a store labelled ``label``."""
     return f"file {label.rstrip('/')}/{name}"
 
 
-def _list(kv: ts.KvStore, label: str, deadline: Deadline | None = None) -> list[str]:
+def list_keys(kv: ts.KvStore, label: str, deadline: Deadline | None = None) -> list[str]:
     """Every key under ``kv``, sorted; StoreError (or StoreTimeoutError past ``deadline``)."""
     try:
-        keys = _result(kv.list(), deadline or Deadline(None), f"listing store {label}")
+        keys = wait_for(kv.list(), deadline or Deadline(None), f"listing store {label}")
     except StoreError:
         raise
     except Exception as err:
@@ -162,7 +162,7 @@ def _list(kv: ts.KvStore, label: str, deadline: Deadline | None = None) -> list[
     return sorted(k.decode() for k in keys)
 
 
-def _open_kvstore(
+def open_kvstore(
     kv_spec: Mapping[str, Any],
     label: str,
     *,
@@ -171,8 +171,8 @@ def _open_kvstore(
 ) -> ts.KvStore:
     """Opens a kvstore in ``context`` (default: the process's); StoreError naming ``label``."""
     try:
-        future = ts.KvStore.open(dict(kv_spec), context=context or _CONTEXT)
-        return _result(future, deadline or Deadline(None), f"opening store {label}")
+        future = ts.KvStore.open(dict(kv_spec), context=context or CONTEXT)
+        return wait_for(future, deadline or Deadline(None), f"opening store {label}")
     except StoreError:
         raise
     except Exception as err:

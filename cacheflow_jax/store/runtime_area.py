@@ -1,11 +1,11 @@
 """Where a store keeps its runtime blocks (KV blocks): a writable area, apart from its chunks.
 
 A store's runtime blocks live under ``_runtime/`` of a writable location (file format:
-``_runtime_blocks``). For a store written by ``write_store`` that is the store itself. An orbax
+``runtime_format``). For a store written by ``write_store`` that is the store itself. An orbax
 checkpoint is read-only: its runtime blocks go to a separate location, by default
 ``$XDG_CACHE_HOME/cacheflow_jax/runtime/<checkpoint name>-<digest of its location>/``
 (``~/.cache`` when ``XDG_CACHE_HOME`` is unset), or wherever ``open_store(runtime=...)`` says,
-so that serving a checkpoint never changes a byte of it.
+so that serving a checkpoint never changes a byte of it. `open_area` opens the area of a store.
 """
 
 from __future__ import annotations
@@ -24,32 +24,32 @@ import numpy as np
 import tensorstore as ts
 
 from cacheflow_jax.core.blocks import BlockInfo, CorruptBlockError, StoreError
+from cacheflow_jax.core.pytree import block_info, leaves_of, tree_map
 from cacheflow_jax.store.futures import (
     Deadline,
     ReadyFuture,
     RuntimeReadFuture,
     StoreFuture,
     WriteFuture,
-    _result,
-    _translate,
     thread_pool,
+    translate_error,
+    wait_for,
 )
-from cacheflow_jax.store.locations import _location
-from cacheflow_jax.core.pytree import block_info, leaves_of, tree_map
+from cacheflow_jax.store.locations import list_keys, location, open_kvstore, resolve
 from cacheflow_jax.store.runtime_format import (
-    _RUNTIME_MIN_HEADER,
-    _RUNTIME_PREFIX,
-    _RUNTIME_SUFFIX,
+    RUNTIME_MIN_HEADER,
+    RUNTIME_PREFIX,
+    RUNTIME_SUFFIX,
     SUPERSEDED,
     WRITTEN,
     Version,
-    _atomic_write_file,
-    _encode_runtime,
-    _numeric,
-    _parse_runtime_header,
-    _remove_stale_temporaries,
-    _runtime_name,
+    atomic_write_file,
     check_runtime_key,
+    encode_runtime,
+    numeric,
+    parse_runtime_header,
+    remove_stale_temporaries,
+    runtime_name,
     supersedes,
     writer,
 )
@@ -157,7 +157,7 @@ class RuntimeArea:
             pending = self.pending.get(key)
         if pending is not None:
             return ReadyFuture(pending[1], copy=True)
-        name = _runtime_name(key)
+        name = runtime_name(key)
         return RuntimeReadFuture(self.kv.read(name), key, self.label, self.where(name))
 
     def write(
@@ -169,13 +169,13 @@ class RuntimeArea:
             raise ValueError(f"cannot write runtime block {key!r}: store {self.label} is read-only")
         arr = tree_map(lambda leaf: np.array(leaf, copy=True, order="C"), value)
         for leaf in leaves_of(arr):
-            if not _numeric(leaf.dtype):
+            if not numeric(leaf.dtype):
                 raise ValueError(
                     f"cannot write block {key!r}: dtype {leaf.dtype} is not a numeric array dtype"
                 )
         info = block_info(key, arr)
-        name = _runtime_name(key)
-        data = _encode_runtime(arr, version)
+        name = runtime_name(key)
+        data = encode_runtime(arr, version)
         with self.lock:
             future = thread_pool("write", _WRITE_THREADS).submit(
                 self._write_sync, key, name, data, version
@@ -198,7 +198,7 @@ class RuntimeArea:
 
     def where(self, name: str) -> str:
         """Where kvstore key ``name`` lives, for error messages."""
-        return _location(self.label, name)
+        return location(self.label, name)
 
     def _write_sync(self, key: str, name: str, data: bytes, version: Version | None) -> str:
         """Publishes one runtime block file atomically and reads it back (on a writer thread).
@@ -223,7 +223,7 @@ class RuntimeArea:
                             return SUPERSEDED
                     elif self._stored_supersedes(key, name, version, path):
                         return SUPERSEDED
-                _atomic_write_file(path, data)
+                atomic_write_file(path, data)
                 with open(path, "rb") as f:
                     back = f.read()
                 if back == data and version is not None and version.writer == writer():
@@ -235,7 +235,7 @@ class RuntimeArea:
                     generation, head = self._read_head(name, deadline)
                     if head is not None and self._header_supersedes(key, name, head, version):
                         return SUPERSEDED
-                stamp = _result(self.kv.write(name, data, if_equal=generation), deadline, what)
+                stamp = wait_for(self.kv.write(name, data, if_equal=generation), deadline, what)
                 if generation == b"" or stamp.generation != b"":
                     break  # an empty generation back: the object changed since its header
             else:
@@ -245,7 +245,7 @@ class RuntimeArea:
                     "another writer keeps rewriting the object, or its bucket is missing. The "
                     "block stays in memory and is retried"
                 )
-            res = _result(self.kv.read(name), deadline, f"reading back {self.where(name)}")
+            res = wait_for(self.kv.read(name), deadline, f"reading back {self.where(name)}")
             back = res.value if res.state == "value" else None
         if back != data:
             got = "nothing" if back is None else f"{len(back)} different bytes"
@@ -259,7 +259,7 @@ class RuntimeArea:
         """Whether the local file at ``path`` holds a later write of ``version``'s writer."""
         try:
             with open(path, "rb") as f:
-                head = f.read(_RUNTIME_MIN_HEADER)
+                head = f.read(RUNTIME_MIN_HEADER)
                 if len(head) >= 12:
                     size = int.from_bytes(head[8:12], "little")
                     if size > len(head):
@@ -272,17 +272,17 @@ class RuntimeArea:
         """The generation of kvstore key ``name`` and its block header (None: no such key)."""
         what = f"reading the header of {self.where(name)}"
         try:
-            head = _result(
-                self.kv.read(name, byte_range=slice(0, _RUNTIME_MIN_HEADER)), deadline, what
+            head = wait_for(
+                self.kv.read(name, byte_range=slice(0, RUNTIME_MIN_HEADER)), deadline, what
             )
         except ValueError:  # OUT_OF_RANGE: shorter than any header (damaged); read what is there
-            head = _result(self.kv.read(name), deadline, what)
+            head = wait_for(self.kv.read(name), deadline, what)
         if head.state != "value":
             return head.stamp.generation, None
         data = head.value
         if len(data) >= 12 and int.from_bytes(data[8:12], "little") > len(data):
             size = int.from_bytes(data[8:12], "little")
-            head = _result(self.kv.read(name, byte_range=slice(0, size)), deadline, what)
+            head = wait_for(self.kv.read(name, byte_range=slice(0, size)), deadline, what)
             if head.state != "value":
                 return head.stamp.generation, None
             data = head.value
@@ -290,34 +290,34 @@ class RuntimeArea:
 
     def _header_supersedes(self, key: str, name: str, head: bytes, version: Version) -> bool:
         try:
-            header, _ = _parse_runtime_header(head, key, self.label, self.where(name))
+            header, _ = parse_runtime_header(head, key, self.label, self.where(name))
         except CorruptBlockError:
             return False  # a damaged block is replaced
         return supersedes(header, version)
 
     def _load_info(self, key: str) -> BlockInfo:
         """Reads a listed runtime block's header (one ranged read) and remembers its info."""
-        name = _runtime_name(key)
+        name = runtime_name(key)
         where = self.where(name)
         try:
             deadline = Deadline(self._timeout)
             what = f"reading the header of {where}"
-            head = self.kv.read(name, byte_range=slice(0, _RUNTIME_MIN_HEADER))
-            res = _result(head, deadline, what)
+            head = self.kv.read(name, byte_range=slice(0, RUNTIME_MIN_HEADER))
+            res = wait_for(head, deadline, what)
             if res.state != "value":
                 raise StoreError(
                     f"runtime block {key!r} in store {self.label} is listed but its file "
                     f"{where} is missing; another process may have deleted it"
                 )
             data = res.value
-            header, size = _parse_runtime_header(data, key, self.label, where)
+            header, size = parse_runtime_header(data, key, self.label, where)
             if not header:
-                data = _result(self.kv.read(name, byte_range=slice(0, size)), deadline, what).value
-                header, size = _parse_runtime_header(data, key, self.label, where)
+                data = wait_for(self.kv.read(name, byte_range=slice(0, size)), deadline, what).value
+                header, size = parse_runtime_header(data, key, self.label, where)
         except StoreError:
             raise
         except Exception as err:
-            raise _translate(err, key, self.label, where) from err
+            raise translate_error(err, key, self.label, where) from err
         shape, dtype = header["shape"], header["dtype"]
         info = BlockInfo(
             key=key,
@@ -335,12 +335,42 @@ class RuntimeArea:
 def runtime_keys(keys: Iterable[str]) -> list[str]:
     """The runtime block keys among a location's kvstore keys (from their file names)."""
     return [
-        urllib.parse.unquote(k[len(_RUNTIME_PREFIX) : -len(_RUNTIME_SUFFIX)])
+        urllib.parse.unquote(k[len(RUNTIME_PREFIX) : -len(RUNTIME_SUFFIX)])
         for k in keys
-        if k.startswith(_RUNTIME_PREFIX) and k.endswith(_RUNTIME_SUFFIX)
+        if k.startswith(RUNTIME_PREFIX) and k.endswith(RUNTIME_SUFFIX)
     ]
 
 
 def clean_local(root: str) -> None:
     """Removes temporary files of dead writers under a local runtime location."""
-    _remove_stale_temporaries(os.path.join(root, _RUNTIME_PREFIX))
+    remove_stale_temporaries(os.path.join(root, RUNTIME_PREFIX))
+
+
+def open_area(
+    runtime: Any,
+    label: str,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    context: ts.Context,
+    deadline: Deadline,
+    *,
+    own: tuple[ts.KvStore, str, str | None, list[str]] | None,
+) -> RuntimeArea:
+    """The runtime area of a store: ``runtime`` if given, else its own location (``own``), else
+    (a read-only checkpoint) the default one in the user's cache folder."""
+    timeout = deadline.seconds
+    if runtime is None and own is not None:
+        kv, where, root, keys = own
+        if root is not None:
+            clean_local(root)
+        return RuntimeArea(kvstore=kv, label=where, root=root, keys=keys, timeout=timeout)
+    if runtime is None:
+        runtime = default_runtime_dir(label)
+    rt_spec, rt_label, rt_local = resolve(runtime, s3_endpoint, s3_region)
+    rt_kv = open_kvstore(rt_spec, rt_label, context=context, deadline=deadline)
+    # A runtime location that does not exist yet lists nothing; it is made by the first write.
+    keys = runtime_keys(list_keys(rt_kv, rt_label, deadline))
+    root = str(rt_local) if rt_local is not None else None
+    if root is not None:
+        clean_local(root)
+    return RuntimeArea(kvstore=rt_kv, label=rt_label, root=root, keys=keys, timeout=timeout)

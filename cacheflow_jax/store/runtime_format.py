@@ -24,8 +24,8 @@ from cacheflow_jax.core.pytree import flatten, is_tree, unflatten
 if TYPE_CHECKING:  # numpy is imported where used: replay imports this module without it
     import numpy as np
 
-_RUNTIME_PREFIX = "_runtime/"
-_RUNTIME_SUFFIX = ".block"
+RUNTIME_PREFIX = "_runtime/"
+RUNTIME_SUFFIX = ".block"
 
 _RUNTIME_FORMAT = """\
 A runtime block file (``_runtime/<percent-encoded key>.block``) is:
@@ -45,11 +45,11 @@ on the file driver (write to a temporary file, then rename) and on object stores
 never leaves a half-written block that reads as valid.
 """
 _RUNTIME_MAGIC = b"CFJBLK1\n"
-_RUNTIME_MIN_HEADER = 256
+RUNTIME_MIN_HEADER = 256
 
 
 @functools.lru_cache(maxsize=256)
-def _numeric(dtype: np.dtype) -> bool:
+def numeric(dtype: np.dtype) -> bool:
     """True for dtypes TensorStore stores: bool, ints, floats (incl. bfloat16), complex."""
     import numpy as np  # (bfloat16's kind is "V" too: only numpy's own void type is refused)
 
@@ -64,9 +64,9 @@ def _numeric(dtype: np.dtype) -> bool:
     return True
 
 
-def _runtime_name(key: str) -> str:
+def runtime_name(key: str) -> str:
     """The kvstore key (relative to the store root) of runtime block ``key``."""
-    return _RUNTIME_PREFIX + urllib.parse.quote(key, safe="-_~") + _RUNTIME_SUFFIX
+    return RUNTIME_PREFIX + urllib.parse.quote(key, safe="-_~") + RUNTIME_SUFFIX
 
 
 # What a write's future gives: the block was published, or a later write of the same writer was
@@ -104,7 +104,7 @@ def next_version() -> Version:
 
 
 def supersedes(stored: dict, version: Version) -> bool:
-    """Whether a stored block's header (`_parse_runtime_header`) is a later write of the same
+    """Whether a stored block's header (`parse_runtime_header`) is a later write of the same
     writer than ``version``: publishing ``version`` over it would lose an update."""
     return stored.get("writer") == version.writer and stored.get("seq", 0) > version.seq
 
@@ -117,7 +117,7 @@ def _little(value: np.ndarray) -> bytes:
     return np.ascontiguousarray(value).tobytes()
 
 
-def _encode_runtime(value: Any, version: Version | None = None) -> bytes:
+def encode_runtime(value: Any, version: Version | None = None) -> bytes:
     """Serializes one runtime block, an array or a pytree of arrays (see ``_RUNTIME_FORMAT``)."""
     if is_tree(value):
         leaves, structure = flatten(value, "")
@@ -129,16 +129,20 @@ def _encode_runtime(value: Any, version: Version | None = None) -> bytes:
         }  # fmt: skip
     else:
         payload = _little(value)
-        fields = {"dtype": value.dtype.name, "shape": list(value.shape), "crc32": zlib.crc32(payload)}
+        fields = {
+            "dtype": value.dtype.name,
+            "shape": list(value.shape),
+            "crc32": zlib.crc32(payload),
+        }
     if version is not None:
         fields.update(writer=version.writer, seq=version.seq)
     header = json.dumps(fields).encode()
-    size = max(_RUNTIME_MIN_HEADER, -(-(12 + len(header) + 1) // 64) * 64)
+    size = max(RUNTIME_MIN_HEADER, -(-(12 + len(header) + 1) // 64) * 64)
     head = _RUNTIME_MAGIC + struct.pack("<I", size) + header
     return head + b" " * (size - len(head)) + payload
 
 
-def _parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tuple[dict, int]:
+def parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tuple[dict, int]:
     """Returns a runtime block file's header dict and header length."""
     if len(data) < 12 or data[:8] != _RUNTIME_MAGIC:
         raise CorruptBlockError(
@@ -166,11 +170,11 @@ def _parse_runtime_header(data: bytes, key: str, store: str, where: str) -> tupl
     return header, size
 
 
-def _decode_runtime(data: bytes, key: str, store: str, where: str) -> Any:
+def decode_runtime(data: bytes, key: str, store: str, where: str) -> Any:
     """Parses and checks one runtime block file: an array, or a pytree of arrays."""
     import numpy as np
 
-    header, size = _parse_runtime_header(data, key, store, where)
+    header, size = parse_runtime_header(data, key, store, where)
     payload = data[size:]
     dtype, shape = header.get("dtype"), header.get("shape")
     expected = None if dtype is None else int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -250,7 +254,7 @@ def check_runtime_key(key: object, store: str = "") -> str:
 _TMP_SUFFIX = ".partial"
 
 
-def _atomic_write_file(path: str, data: bytes) -> None:
+def atomic_write_file(path: str, data: bytes) -> None:
     """Writes ``data`` to ``path`` so that a crash leaves the old file or the new one, whole.
 
     The bytes go to a temporary file beside it, which is synced and then renamed over ``path``;
@@ -282,7 +286,7 @@ def _atomic_write_file(path: str, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def _remove_stale_temporaries(runtime_dir: str) -> int:
+def remove_stale_temporaries(runtime_dir: str) -> int:
     """Removes temporary files left by writers that died (their pid is gone); returns how many."""
     try:
         names = os.listdir(runtime_dir)

@@ -30,19 +30,29 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from cacheflow_jax.core.blocks import StoreError
-from cacheflow_jax.store.futures import StoreFuture, _translate
-
-if TYPE_CHECKING:
-    from cacheflow_jax.store.tensorstore_store import _Entry
+from cacheflow_jax.store.entry import Entry
+from cacheflow_jax.store.fastread import FAST_DTYPES, zarr3_chunk_name, zarr3_codec
+from cacheflow_jax.store.futures import EntryReader, StoreFuture, translate_error
 
 # A sibling listener gets the sub-blocks of a whole-chunk read that nobody asked for, as
 # read-only views of the chunk (copy what you keep), and returns the keys it kept.
 SiblingListener = Callable[[Mapping[str, np.ndarray]], Sequence[str]]
+
+
+def check_block_bytes(block_bytes: Any) -> int | None:
+    """``block_bytes`` as an int, or None; ValueError unless None or a positive integer."""
+    if block_bytes is None:
+        return None
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int | np.integer):
+        raise ValueError(f"block_bytes={block_bytes!r} must be a positive integer number of bytes")
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes={block_bytes} must be > 0 (or None for whole chunks)")
+    return int(block_bytes)
 
 
 def sub_block_shape(
@@ -139,7 +149,7 @@ class ChunkRead:
 
     __slots__ = ("future", "chunk", "lock", "requested", "offered", "_value", "_error")
 
-    def __init__(self, future: StoreFuture, chunk: _Entry) -> None:
+    def __init__(self, future: StoreFuture, chunk: Entry) -> None:
         self.future = future  # yields the whole chunk (clipped at the array's edge), checked
         self.chunk = chunk
         self.lock = threading.Lock()
@@ -172,12 +182,25 @@ class ChunkRead:
         return self.future.done()
 
 
+class SubBlockReader(EntryReader, Protocol):
+    """What sub-block futures need of the reads that started them (`reads.BlockReads`)."""
+
+    @property
+    def counters(self) -> ReadCounters:
+        """The store's read counters."""
+        ...
+
+    def offer_siblings(self, read: ChunkRead, chunk: np.ndarray) -> None:
+        """Hands the sub-blocks of ``read`` nobody asked for to the sibling listeners."""
+        ...
+
+
 class SubBlockFuture(StoreFuture):
     """A sub-block cut from a whole-chunk read; ``result()`` is the block's array (a copy)."""
 
     __slots__ = ("_read", "_entry", "_owner")
 
-    def __init__(self, read: ChunkRead, entry: _Entry, owner: Any) -> None:
+    def __init__(self, read: ChunkRead, entry: Entry, owner: SubBlockReader) -> None:
         super().__init__(read.future, entry.info.key, owner.spec, entry.where)
         self._read = read
         self._entry = entry
@@ -195,9 +218,9 @@ class SubBlockFuture(StoreFuture):
         except StoreError as err:
             raise type(err)(self._explain(err)) from err
         except Exception as err:
-            raise _translate(err, entry.info.key, self._store, entry.where) from err
+            raise translate_error(err, entry.info.key, self._store, entry.where) from err
         block = chunk[entry.within].copy()
-        self._owner._offer_siblings(self._read, chunk)
+        self._owner.offer_siblings(self._read, chunk)
         return block
 
     def _explain(self, err: BaseException) -> str:
@@ -214,7 +237,7 @@ class PartialReadFuture(StoreFuture):
 
     __slots__ = ("_entry", "_owner", "_started")
 
-    def __init__(self, future: Any, entry: _Entry, owner: Any) -> None:
+    def __init__(self, future: Any, entry: Entry, owner: SubBlockReader) -> None:
         super().__init__(future, entry.info.key, owner.spec, entry.where)
         self._entry = entry
         self._owner = owner
@@ -234,15 +257,15 @@ class PartialReadFuture(StoreFuture):
         except (TimeoutError, StoreError):
             raise
         except Exception as err:
-            raise _translate(err, entry.info.key, self._store, entry.where) from err
+            raise translate_error(err, entry.info.key, self._store, entry.where) from err
         if raw.state != "value":
             left = None
             if timeout is not None:
                 left = max(0.0, timeout - (time.monotonic() - self._started))
-            return self._owner._read_ts(entry).result(timeout=left)
+            return self._owner.read_ts(entry).result(timeout=left)
         data = raw.value
         if len(data) != part.stop - part.start:
-            raise _translate(
+            raise translate_error(
                 ValueError(
                     f"OUT_OF_RANGE: the chunk file ended within the block's bytes "
                     f"[{part.start}, {part.stop}) (got {len(data)} bytes): it is truncated"
@@ -251,35 +274,12 @@ class PartialReadFuture(StoreFuture):
                 self._store,
                 entry.where,
             )
-        self._owner._counters.add(bytes_read=len(data))
+        self._owner.counters.add(bytes_read=len(data))
         arr = np.frombuffer(data, dtype=part.dtype).reshape(part.shape)
         if part.dtype.byteorder == ">":
             arr = arr.astype(part.dtype.newbyteorder("="))
         block = arr[part.clip]
         return np.array(block, dtype=entry.info.dtype, copy=True)
-
-
-class PartialRange:
-    """Where a sub-block's bytes are in its chunk's file: one contiguous range."""
-
-    __slots__ = ("kvstore", "key", "start", "stop", "dtype", "shape", "clip")
-
-    def __init__(
-        self,
-        kvstore: Any,
-        key: str,
-        start: int,
-        stop: int,
-        dtype: np.dtype,
-        shape: tuple[int, ...],
-        clip: tuple[slice, ...],
-    ) -> None:
-        self.kvstore = kvstore  # the array's kvstore (TensorStore's ``handle.kvstore``)
-        self.key = key  # the chunk's key under it
-        self.start, self.stop = start, stop
-        self.dtype = dtype  # as stored (byte order included)
-        self.shape = shape  # the rows read, at the stored chunk's full trailing extent
-        self.clip = clip  # the block within those rows (an edge chunk is stored padded)
 
 
 def raw_chunk_layout(
@@ -304,25 +304,23 @@ def raw_chunk_layout(
             sep = meta.get("dimension_separator", ".")
             return dtype, chunks, (lambda idx: sep.join(map(str, idx)) or "0")
         if driver == "zarr3":
-            from cacheflow_jax.store.fastread import _FAST_DTYPES, _codec, _zarr3_chunk_name
-
             if meta.get("storage_transformers"):
                 return None
             grid = meta.get("chunk_grid") or {}
             if grid.get("name") != "regular":
                 return None
-            codecs = [_codec(c) for c in meta.get("codecs") or ()]
+            codecs = [zarr3_codec(c) for c in meta.get("codecs") or ()]
             if len(codecs) != 1 or codecs[0] is None or codecs[0][0] != "bytes":
                 return None
             data_type = meta.get("data_type")
-            if data_type not in _FAST_DTYPES:
+            if data_type not in FAST_DTYPES:
                 return None
             dtype = np.dtype(data_type)
             endian = codecs[0][1].get("endian", "little")
             if dtype.itemsize > 1:
                 dtype = dtype.newbyteorder("<" if endian == "little" else ">")
             chunks = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
-            name = _zarr3_chunk_name(meta.get("chunk_key_encoding"))
+            name = zarr3_chunk_name(meta.get("chunk_key_encoding"))
             if name is None:
                 return None
             return dtype, chunks, name

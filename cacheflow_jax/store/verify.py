@@ -3,7 +3,7 @@
 Orbax's data chunks carry no checksum, so a flipped byte in a checkpoint is restored silently, by
 orbax too. `verify_checkpoint` reads every chunk once and records its CRC-32C in a manifest kept
 beside the checkpoint (``<checkpoint directory>.cacheflow-manifest.json``; the format is
-``_manifest.CHECKPOINT_MANIFEST_FORMAT``), never inside it. From then on `open_store` checks every
+``manifest.CHECKPOINT_MANIFEST_FORMAT``), never inside it. From then on `open_store` checks every
 read of that checkpoint against it, and a later ``verify`` checks every chunk. Record the manifest
 right after saving: it vouches for the bytes as they are when it is recorded.
 """
@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from cacheflow_jax.core.blocks import CorruptBlockError, StoreError, block_key
-from cacheflow_jax.store.futures import Deadline, _result
-from cacheflow_jax.store.locations import _open_kvstore
+from cacheflow_jax.store.futures import Deadline, wait_for
+from cacheflow_jax.store.locations import open_kvstore
 from cacheflow_jax.store.manifest import block_crc32c, encode_checkpoint_manifest
-from cacheflow_jax.store.runtime_format import _atomic_write_file
-from cacheflow_jax.store.tensorstore_store import TensorStoreStore, open_store
+from cacheflow_jax.store.open import open_store
+from cacheflow_jax.store.runtime_format import atomic_write_file
+from cacheflow_jax.store.tensorstore_store import TensorStoreStore
 
 # Chunks read at once: bounds the memory a verify takes on a large checkpoint.
 BATCH_BYTES = 256 * 2**20
@@ -99,10 +100,10 @@ def verify_checkpoint(
         return report
     data = encode_checkpoint_manifest(crcs, store.checkpoint_fingerprint() or "")
     if spec.get("driver") == "file":
-        _atomic_write_file(os.path.join(str(spec.get("path", "")), name), data)
+        atomic_write_file(os.path.join(str(spec.get("path", "")), name), data)
     else:
-        kv = _open_kvstore(spec, where)
-        _result(kv.write(name, data), Deadline(60.0), f"writing {where}")
+        kv = open_kvstore(spec, where)
+        wait_for(kv.write(name, data), Deadline(60.0), f"writing {where}")
     report["status"] = "recorded"
     return report
 

@@ -44,6 +44,14 @@ def check_device_dtype(dtype: np.dtype, key: str) -> None:
         )
 
 
+def narrowed(dtype: Any) -> bool:
+    """Whether JAX would narrow ``dtype`` on the way to the device (64-bit, x64 off)."""
+    import jax
+    import numpy as np
+
+    return np.dtype(dtype) != jax.dtypes.canonicalize_dtype(dtype)
+
+
 class AbstractTier(abc.ABC):
     """A byte-budgeted map from key to a block value."""
 

@@ -15,9 +15,9 @@ import argparse
 
 from lfu_trace import misses_per_chunk  # this directory's
 
+from cacheflow_jax.policies import get_policy, lfu
 from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import read_trace
-from cacheflow_jax.policies import get_policy, lfu
 
 SHARES = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)
 

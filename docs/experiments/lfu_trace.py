@@ -15,10 +15,10 @@ import argparse
 import importlib
 
 from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.policies import get_policy
 from cacheflow_jax.replay.engine import TraceStore
 from cacheflow_jax.tiers.memory import MetadataTier
 from cacheflow_jax.trace.reader import read_trace
-from cacheflow_jax.policies import get_policy
 
 
 def misses_per_chunk(trace, size: int, policy, chunk: int) -> tuple[TieredCache, list[tuple]]:
@@ -39,7 +39,7 @@ def misses_per_chunk(trace, size: int, policy, chunk: int) -> tuple[TieredCache,
         cache.access_sync(key, float(i))
         if (i + 1) % chunk == 0:
             misses = cache.stats()["misses"]
-            rows.append((misses - before, getattr(cache._planner.state, "share", None)))
+            rows.append((misses - before, getattr(cache.planner.state, "share", None)))
             before = misses
     return cache, rows
 
@@ -69,7 +69,7 @@ def main() -> None:
     print("chunk  lfu misses  lru misses  lfu share")
     for i, ((m, share), (m_lru, _)) in enumerate(zip(runs["lfu"][1], runs["lru"][1])):
         print(f"{i:5d}  {m:10d}  {m_lru:10d}  {share:9.3f}")
-    sims = runs["lfu"][0]._planner.state.sims
+    sims = runs["lfu"][0].planner.state.sims
     print(f"sampled hits since the last jump: live {sims.live}, shadows "
           + ", ".join(f"{s.setting:g}: {s.hits}" for s in sims.shadows))
     print(f"jumps (access, share, to): {jumps}")

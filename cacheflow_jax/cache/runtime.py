@@ -1,0 +1,257 @@
+"""Runtime blocks (KV blocks and other blocks put at run time): puts, evictions, lookups, pins.
+
+A put checks everything before anything changes, then takes room under the write-back budget
+(`cacheflow_jax.cache.writeback`) and in L1 (`Mover.make_room`), beside the pinned blocks
+(`cacheflow_jax.cache.pins`). Lookups (`locate`, `cached_prefix`) read the tiers' tables and the
+store's, never a block's bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from cacheflow_jax.cache.mover import DEVICE, Transit
+from cacheflow_jax.core.blocks import BudgetError
+from cacheflow_jax.core.pytree import block_info, flatten, is_tree
+from cacheflow_jax.store.runtime_format import check_runtime_key, numeric
+from cacheflow_jax.tiers.memory import check_device_dtype
+
+if TYPE_CHECKING:
+    import jax
+
+    from cacheflow_jax.cache.demand import Demand
+    from cacheflow_jax.cache.mover import Mover
+
+KINDS = ("weight", "embedding", "kv", "other")
+
+
+class RuntimeBlocks:
+    """Puts and the calls about where blocks are (see the module docstring)."""
+
+    def __init__(self, mover: Mover, demand: Demand) -> None:
+        self.mover = mover
+        self.demand = demand
+
+    def put(self, key: str, value: Any, *, kind: str, writeback: bool) -> None:
+        """See `TieredCache.put`."""
+        mover = self.mover
+        check_runtime_key(key, mover.store.spec)
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} for {key!r} must be one of {KINDS}")
+        value = as_block(key, value)
+        info = block_info(key, value)
+        nbytes = info.nbytes
+        device, wb = mover.tiers[DEVICE], mover.writeback
+        if nbytes > device.budget:
+            raise BudgetError(
+                f"runtime block {key!r} has {nbytes} bytes, more than "
+                f"device_bytes={device.budget}; split it or raise device_bytes"
+            )
+        if writeback and nbytes > wb.budget:
+            raise BudgetError(
+                f"runtime block {key!r} has {nbytes} bytes, more than "
+                f"writeback_bytes={wb.budget}; split it or raise writeback_bytes"
+            )
+        if info.leaves and not device.holds_trees:
+            raise TypeError(
+                f"cannot put pytree block {key!r}: device_layout='slab' holds arrays only; "
+                "use device_layout='arrays' or put each leaf under its own key"
+            )
+        value = device.load(value)
+        transit = self._claim(key, info, kind, writeback)
+        try:
+            if not mover.make_room(DEVICE, nbytes, None):
+                raise mover.pins.no_room(key, nbytes, device.budget)
+            with mover.lock:
+                device.put_reserved(key, value, nbytes)
+                mover.planner.insert(DEVICE, key, mover.clock(), nbytes)
+                del mover.inflight[key]
+                mover.notify_room()
+        except BaseException as e:
+            with mover.lock:
+                mover.leave(key, value)
+                mover.inflight.pop(key, None)
+            transit.finish(error=e)
+            raise
+        transit.finish(value=value)
+        wb.start()
+
+    def _claim(self, key: str, info: Any, kind: str, writeback: bool) -> Transit:
+        """Records the put under the lock once its key is not moving and write-back has room;
+        returns the put's transit (the block is on its way into L1)."""
+        mover = self.mover
+        nbytes, device, wb = info.nbytes, mover.tiers[DEVICE], mover.writeback
+        deadline = mover.deadline()
+        stalled = None  # when the put started waiting for write-back room
+        while True:
+            with mover.lock:
+                mover.drain()
+                mover.pins.check_put(key, nbytes, device.budget)
+                transit = mover.inflight.get(key)
+                durable = writeback or wb.is_dirty(key) or mover.store.holds(key)
+                if durable and nbytes > wb.budget:
+                    raise BudgetError(
+                        f"runtime block {key!r} must be written back (L3 holds an earlier "
+                        f"version) and has {nbytes} bytes, more than writeback_bytes="
+                        f"{wb.budget}; raise writeback_bytes"
+                    )
+                if transit is None and (not durable or nbytes <= wb.room(key)):
+                    mover.discard(key)
+                    mover.runtime[key] = info
+                    mover.kinds[key] = kind
+                    if durable:
+                        wb.record_put(key, nbytes)
+                        mover.volatile.discard(key)
+                    else:
+                        mover.volatile.add(key)
+                    mover.inflight[key] = transit = Transit()
+                    mover.planner.access(key, mover.clock())
+                    if stalled is not None:
+                        wb.count_stall(time.perf_counter() - stalled)
+                    return transit
+            if transit is not None:
+                transit.wait()
+                continue
+            if stalled is None:
+                stalled = time.perf_counter()
+            wb.wait_for_room(key, nbytes, deadline, mover.l3_timeout)
+
+    def evict(self, key: str) -> bool:
+        """See `TieredCache.evict`."""
+        mover = self.mover
+        with mover.lock:
+            mover.drain()
+            if key in mover.pins:
+                raise ValueError(
+                    f"cannot evict {key!r}: it is pinned by a running request (cache.pinned); "
+                    "it leaves when the request releases it"
+                )
+            if not mover.evict(key):
+                return False
+        mover.writeback.start()
+        return True
+
+    # ----------------------------------------------------------------------- where blocks are
+
+    def locate(self, key: str) -> str | None:
+        """See `TieredCache.locate`."""
+        mover = self.mover
+        for tier in mover.tiers:
+            if key in tier.entries:
+                return tier.name
+        if key in mover.parked:
+            return "host"
+        if key in mover.inflight:
+            return "moving"
+        if key in mover.runtime or mover.store.holds(key):
+            return "store"
+        return None
+
+    def cached_prefix(self, keys: Iterable[str]) -> int:
+        """See `TieredCache.cached_prefix`."""
+        n = 0
+        for key in keys:
+            if self.locate(key) is None:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------------------- pins
+
+    def pin(self, keys: list[str]) -> list[jax.Array]:
+        """Loads ``keys`` into L1 and pins each once (see `TieredCache.pinned`).
+
+        Raises:
+          BudgetError: a block cannot stay in L1 beside the pinned ones (nothing stays pinned).
+        """
+        mover = self.mover
+        device, pins = mover.tiers[DEVICE], mover.pins
+        held: dict[str, Any] = {}
+        try:
+            for _ in range(3):  # a block evicted between its get and its pin is got again
+                todo = [k for k in dict.fromkeys(keys) if k not in held]
+                if not todo:
+                    break
+                self.demand.get_many(todo)
+                with mover.lock:
+                    mover.drain()
+                    for key in todo:
+                        value = mover.l1.get(key)
+                        if value is None:
+                            continue
+                        nbytes = device.sizes.get(key)
+                        if pins.add(key, mover.info(key).nbytes if nbytes is None else nbytes):
+                            mover.planner.remove(DEVICE, key)
+                        held[key] = value
+            left = [k for k in keys if k not in held]
+            if left:
+                with mover.lock:
+                    raise pins.no_room(left[0], mover.info(left[0]).nbytes, device.budget)
+        except BaseException:
+            self.unpin(list(held))
+            raise
+        return [held[k] for k in keys]
+
+    def unpin(self, keys: list[str]) -> None:
+        """Releases one pin of each of ``keys``; a block no longer pinned rejoins the policy."""
+        mover = self.mover
+        with mover.lock:
+            now = mover.clock()
+            for key in dict.fromkeys(keys):
+                nbytes = mover.pins.remove(key)
+                if nbytes is not None and key in mover.l1:
+                    mover.planner.insert(DEVICE, key, now, nbytes)
+            mover.notify_room()
+
+
+def as_block(key: str, value: Any) -> Any:
+    """``value`` as a block the device holds exactly: a numeric numpy or JAX array, or a pytree
+    of them (`cacheflow_jax.core.pytree`), else an error naming the key (and the leaf's path)."""
+    if not is_tree(value):
+        return _as_array(key, value)
+    leaves, _ = flatten(value, key)
+    for path, leaf in leaves:
+        if not _has_dtype(leaf):
+            raise TypeError(
+                f"cannot put {key!r}: the leaf at {path} is a {type(leaf).__name__}; the leaves "
+                "of a pytree block are numpy or JAX arrays"
+            )
+        _as_array(f"{key}{path}", leaf)
+    return value
+
+
+def _has_dtype(leaf: Any) -> bool:
+    import jax
+    import numpy as np
+
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def _as_array(key: str, array: Any) -> Any:
+    """``array`` as a numeric numpy or JAX array that the device holds exactly, else an error."""
+    import jax
+    import numpy as np
+
+    if not isinstance(array, jax.Array | np.ndarray):
+        try:
+            typed = isinstance(array, np.generic)  # a numpy scalar has a dtype of its own
+            array = np.asarray(array)
+            if not typed and array.dtype.kind in "biufc":
+                # Python numbers and lists have no dtype of their own; like jnp.asarray, give
+                # them JAX's default one (int32/float32 while jax_enable_x64 is off).
+                array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
+        except Exception as err:
+            raise TypeError(
+                f"cannot put {key!r}: a {type(array).__name__} is not an array ({err}); put a "
+                "numpy or JAX array"
+            ) from None
+    dtype = np.dtype(array.dtype)
+    if not numeric(dtype):
+        raise TypeError(
+            f"cannot put {key!r}: dtype {dtype} is not a numeric array dtype; put a numpy or JAX "
+            "array of numbers"
+        )
+    check_device_dtype(dtype, key)
+    return array
