@@ -277,3 +277,25 @@ def test_every_doc_reference_points_inside_the_project() -> None:
             ).is_file():
                 bad.append(f"{path.relative_to(ROOT)} points outside the project: {ref}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_class_or_function_is_too_long() -> None:
+    """The house limits: a module of at most 800 lines, a class of 500, a function of 120."""
+    limits = {"module": 800, "class": 500, "function": 120}
+    bad = []
+    for path in _library_files():
+        text = path.read_text()
+        rel = path.relative_to(ROOT)
+        if text.count("\n") > limits["module"]:
+            bad.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                kind = "class"
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                kind = "function"
+            else:
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if length > limits[kind]:
+                bad.append(f"{rel}:{node.lineno}: {kind} {node.name} has {length} lines")
+    assert not bad, "over the limits (800/500/120 lines):\n" + "\n".join(bad)

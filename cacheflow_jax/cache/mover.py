@@ -278,11 +278,9 @@ class Mover:
                 host_value = self.load_host(key, info.nbytes, value)
             with self.lock:
                 if in_l1:
-                    device.put_reserved(key, value, info.nbytes)
-                    self.planner.insert(DEVICE, key, self.clock(), info.nbytes)
+                    self.install(DEVICE, key, value, info.nbytes)
                 elif host_value is not None:
-                    self.tiers[HOST].put_reserved(key, host_value, info.nbytes)
-                    self.planner.insert(HOST, key, self.clock(), info.nbytes)
+                    self.install(HOST, key, host_value, info.nbytes)
                 if in_l1 or host_value is not None:
                     self.parked.pop(key, None)
                 else:
@@ -299,6 +297,21 @@ class Mover:
         transit.finish(value=value)
         self.writeback.start()
         return value
+
+    def install(
+        self, tier_index: int, key: str, value: Any, nbytes: int, **guess: Any
+    ) -> None:
+        """Under the lock: puts ``value`` in the room reserved for it in a tier and tells the
+        planner (``guess``: `Planner.insert`'s prefetch keywords); if the tier refuses it, the
+        room is given back before the error goes on."""
+        tier = self.tiers[tier_index]
+        try:
+            tier.put_reserved(key, value, nbytes)
+        except BaseException:
+            tier.release(nbytes)
+            self.notify_room()
+            raise
+        self.planner.insert(tier_index, key, self.clock(), nbytes, **guess)
 
     def load_host(
         self, key: str, nbytes: int, value: Any, *, prefetch: bool = False, rank: int = 1

@@ -242,8 +242,7 @@ class PrefetchDriver:
             back = value is None and mover.make_room(HOST, nbytes, None)
             with mover.lock:
                 if value is not None:
-                    device.put_reserved(key, value, nbytes)
-                    mover.planner.insert(DEVICE, key, mover.clock(), nbytes)
+                    mover.install(DEVICE, key, value, nbytes)
                     mover.counters.prefetch("promoted", nbytes)
                 elif back:  # refused by L1 (or the copy failed): it stays in L2
                     host.put_reserved(key, raw, nbytes)
@@ -328,8 +327,7 @@ class PrefetchDriver:
             now = mover.clock()
             guess = {"prefetched": not demanded, "rank": transit.rank}
             if in_l1:
-                device.put_reserved(key, value, nbytes)
-                mover.planner.insert(DEVICE, key, now, nbytes, **guess)
+                mover.install(DEVICE, key, value, nbytes, **guess)
             elif host_value is not None:
                 mover.tiers[HOST].put_reserved(key, host_value, nbytes)
                 mover.planner.insert(HOST, key, now, nbytes, **guess)

@@ -65,8 +65,7 @@ class RuntimeBlocks:
             if not mover.make_room(DEVICE, nbytes, None):
                 raise mover.pins.no_room(key, nbytes, device.budget)
             with mover.lock:
-                device.put_reserved(key, value, nbytes)
-                mover.planner.insert(DEVICE, key, mover.clock(), nbytes)
+                mover.install(DEVICE, key, value, nbytes)
                 del mover.inflight[key]
                 mover.notify_room()
         except BaseException as e:

@@ -140,8 +140,9 @@ class TieredCache:
 
             store = fit_blocks(store, device_bytes, block_bytes)
         self.store = store
+        asked = None if tiers is not None else (config.device_bytes, config.host_bytes)
         tiers = _make_tiers(config, store) if tiers is None else list(tiers)
-        largest = _check_budgets(tiers, store)
+        largest = _check_budgets(tiers, store, asked)
         self.policy = get_policy(config.policy)
         settings = config.prefetch_settings
         if isinstance(prefetcher, str | os.PathLike):
@@ -560,18 +561,23 @@ def _make_tiers(config: CacheConfig, store: Store) -> list[AbstractTier]:
     ]  # fmt: skip
 
 
-def _check_budgets(tiers: Sequence[AbstractTier], store: Store) -> int:
-    """Checks that each tier holds the store's largest block; returns that block's size."""
+def _check_budgets(
+    tiers: Sequence[AbstractTier], store: Store, asked: Sequence[int] | None = None
+) -> int:
+    """Checks that each tier holds the store's largest block; returns that block's size.
+    ``asked``: the budgets as given (a slab rounds L1's down to whole lines)."""
     largest = 0
     for array in store.arrays().values():
         chunk = [min(c, s) for c, s in zip(array.chunk_shape, array.shape)]
         largest = max(largest, math.prod(chunk) * array.dtype.itemsize)
-    for tier, setting in zip(tiers, ("device_bytes", "host_bytes")):
+    for i, (tier, setting) in enumerate(zip(tiers, ("device_bytes", "host_bytes"))):
         if tier.budget == 0 and setting == "host_bytes":
             continue
         if tier.budget < largest:
+            given = tier.budget if asked is None else asked[i]
+            lines = "" if given == tier.budget else f" (whole lines: {tier.budget} bytes)"
             raise BudgetError(
-                f"{setting}={tier.budget} is smaller than the largest block of "
+                f"{setting}={given}{lines} is smaller than the largest block of "
                 f"{store.spec} ({largest} bytes); raise {setting} to at least {largest}"
                 + (" or set it to 0 to disable L2" if setting == "host_bytes" else "")
                 + ", or rewrite the store with smaller chunks (write_store(chunk_bytes=...))"

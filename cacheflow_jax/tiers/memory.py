@@ -184,11 +184,11 @@ class HostTier(AbstractTier):
 
     def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
         if type(value) in TREES:
-            return tree_map(_to_host_tier, value)
-        return _to_host_tier(value)
+            return tree_map(lambda leaf: _to_host_tier(leaf, owned), value)
+        return _to_host_tier(value, owned)
 
 
-def _to_host_tier(value: Any) -> Any:
+def _to_host_tier(value: Any, owned: bool) -> Any:
     import jax
     import numpy as np
 
@@ -196,6 +196,8 @@ def _to_host_tier(value: Any) -> Any:
         if all(d.platform == "cpu" for d in value.devices()):
             return value  # already in host memory, and immutable
         return np.asarray(jax.device_get(value))
+    if not owned and isinstance(value, np.ndarray):
+        return value.copy()  # the caller may write to its array again
     return value
 
 

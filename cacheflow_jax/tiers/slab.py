@@ -82,6 +82,9 @@ def to_words(value: jax.Array, nlines: int, line_words: int, word: np.dtype) -> 
     flat = value.reshape(-1)
     if flat.dtype == jnp.bool_:
         flat = flat.astype(jnp.uint8)
+    elif jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        # bitcast refuses complex: its bytes are the (real, imag) pairs, in that order
+        flat = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
     raw = jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
     size = nlines * line_words * word.itemsize
     raw = jnp.pad(raw, (0, size - raw.shape[0]))
@@ -96,6 +99,10 @@ def from_words(words: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax
     count = math.prod(shape)
     if dtype == np.bool_:
         return raw[:count].astype(jnp.bool_).reshape(shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        part = np.dtype(f"f{dtype.itemsize // 2}")
+        pairs = from_words(words, (count, 2), part)
+        return jax.lax.complex(pairs[:, 0], pairs[:, 1]).astype(dtype).reshape(shape)
     raw = raw[: count * dtype.itemsize]
     if dtype.itemsize > 1:
         raw = raw.reshape(count, dtype.itemsize)
@@ -285,8 +292,13 @@ class SlabTier(AbstractTier):
             if old is not None:
                 self.slab.give(old.lines)
             lines = self.slab.take(lines_for(nbytes, self.line_bytes))
-            if lines.size:
-                self.slab.write(value, lines)
+            try:
+                if lines.size:
+                    self.slab.write(value, lines)
+            except BaseException:
+                self.slab.give(lines)  # a failed write keeps no line
+                self.sizes.pop(key, None)
+                raise
             self.table[key] = _Entry(lines, shape, dtype)
         self.sizes[key] = nbytes
 
