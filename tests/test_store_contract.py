@@ -30,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
+from _bits import random_bits, same_bits
 
 import cacheflow_jax as cfj
 from cacheflow_jax.replay.engine import TraceStore
@@ -45,19 +46,6 @@ RUNTIME = "runtime"  # write() stores runtime blocks that read() and a reopened 
 DAMAGE = "damage"  # the stored bytes can be damaged by the test (a file, an object)
 
 
-def _bits(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Random bits of ``dtype`` (NaN payloads and -0.0 included); valid bools for bool."""
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, size=shape).astype(bool)
-    n = math.prod(shape)
-    return rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype).reshape(shape)
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    """Shape, dtype and every byte equal."""
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 _RNG = np.random.default_rng(26)
@@ -66,12 +54,12 @@ _RNG = np.random.default_rng(26)
 # TensorStore, not the fast path) and a list in the tree.
 ZARR_TREE = {
     "params": {
-        "w": _bits(_RNG, (7, 3), np.float32),
-        "b": _bits(_RNG, (13,), ml_dtypes.bfloat16),
+        "w": random_bits(_RNG, (7, 3), np.float32),
+        "b": random_bits(_RNG, (13,), ml_dtypes.bfloat16),
     },
     "step": np.int32(7),
-    "mask": _bits(_RNG, (9,), np.bool_),
-    "layers": [{"k": _bits(_RNG, (5, 2), np.int8)}],
+    "mask": random_bits(_RNG, (9,), np.bool_),
+    "layers": [{"k": random_bits(_RNG, (5, 2), np.int8)}],
 }
 ZARR_ARRAYS = {
     "params/w": ZARR_TREE["params"]["w"],
@@ -85,11 +73,11 @@ ZARR_CHUNK_BYTES = 12
 # largest OCDBT data file by far, so damaging that file damages params/w alone.
 ORBAX_TREE = {
     "params": {
-        "w": _bits(_RNG, (64, 32), np.float32),
-        "b": _bits(_RNG, (13,), ml_dtypes.bfloat16),
+        "w": random_bits(_RNG, (64, 32), np.float32),
+        "b": random_bits(_RNG, (13,), ml_dtypes.bfloat16),
     },
     "step": np.int32(7),
-    "mask": _bits(_RNG, (9,), np.bool_),
+    "mask": random_bits(_RNG, (9,), np.bool_),
 }
 ORBAX_ARRAYS = {
     "params/w": ORBAX_TREE["params"]["w"],
@@ -99,8 +87,8 @@ ORBAX_ARRAYS = {
 }
 # Runtime blocks every case with runtime writes holds before its test starts.
 SEED_BLOCKS = {
-    "kv:seed": _bits(_RNG, (2, 4), ml_dtypes.bfloat16),
-    "kv/with/slash %41": _bits(_RNG, (5,), np.int8),
+    "kv:seed": random_bits(_RNG, (2, 4), ml_dtypes.bfloat16),
+    "kv/with/slash %41": random_bits(_RNG, (5,), np.int8),
 }
 
 
@@ -487,7 +475,7 @@ def test_read_of_an_unknown_key_raises_at_once(case: StoreCase) -> None:
 def test_a_written_block_is_seen_at_once_and_after_reopening(case: StoreCase) -> None:
     need(case, RUNTIME)
     store = case.store
-    value = _bits(np.random.default_rng(2), (3, 5), np.float32)
+    value = random_bits(np.random.default_rng(2), (3, 5), np.float32)
     future = store.write("kv:new", value)
     # Visible as soon as write returns, before the write is durable.
     assert store.holds("kv:new") and list(store.keys())[-1] == "kv:new"
@@ -528,7 +516,7 @@ def test_the_newer_version_wins_whatever_order_the_writes_land_in(case: StoreCas
     need(case, RUNTIME)
     store = case.store
     older, newer = next_version(), next_version()
-    new = _bits(np.random.default_rng(3), (4,), np.float32)
+    new = random_bits(np.random.default_rng(3), (4,), np.float32)
     assert store.write("kv:v", new, version=newer).result(timeout=30) == "written"
     # A write-back still in flight from before must not replace the newer block.
     assert store.write("kv:v", np.zeros(9, np.int8), version=older).result(timeout=30) == (
@@ -545,7 +533,7 @@ def test_the_newer_version_wins_whatever_order_the_writes_land_in(case: StoreCas
 def test_a_pytree_block_round_trips(case: StoreCase) -> None:
     need(case, RUNTIME)
     rng = np.random.default_rng(4)
-    tree = {"k": _bits(rng, (2, 3), ml_dtypes.bfloat16), "v": [_bits(rng, (5,), np.int8)]}
+    tree = {"k": random_bits(rng, (2, 3), ml_dtypes.bfloat16), "v": [random_bits(rng, (5,), np.int8)]}
     assert case.store.write("kv:tree", tree).result(timeout=30) == "written"
     for store in (case.store, case.reopen()):
         info = store.info("kv:tree")

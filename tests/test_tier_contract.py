@@ -17,7 +17,6 @@ case (`TierCase.lacks`); those tests skip with the case's reason.
 
 from __future__ import annotations
 
-import math
 import uuid
 from typing import Any
 
@@ -26,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+from _bits import random_bits, same_bits
 
 import cacheflow_jax as cfj
 from cacheflow_jax.replay.engine import TraceStore
@@ -42,19 +42,6 @@ L1 = "l1"  # is the cache's L1, where `TieredCache.put` and `reserve_device` lan
 LINE_BYTES = 64  # the slab's line in the tier-alone tests
 
 
-def _bits(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Random bits of ``dtype`` (NaN payloads and -0.0 included); valid bools for bool."""
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, size=shape).astype(bool)
-    n = math.prod(shape)
-    return rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype).reshape(shape)
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    """Shape, dtype and every byte equal."""
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 # ------------------------------------------------------------------------------------- cases
@@ -261,7 +248,7 @@ def test_insert_lookup_remove_round_trip_the_exact_bytes(case: TierCase) -> None
     tier = case.make(1 << 14)
     for dtype, shape in BLOCKS:
         key = f"{np.dtype(dtype).name}{shape}"
-        value = _bits(rng, shape, dtype)
+        value = random_bits(rng, shape, dtype)
         assert insert(tier, key, value)
         assert key in tier.entries and tier.sizes[key] == value.nbytes
         check_accounting(case, tier, {key: value})
@@ -278,7 +265,7 @@ def test_insert_lookup_remove_round_trip_the_exact_bytes(case: TierCase) -> None
 def test_a_new_value_under_a_key_replaces_the_old(case: TierCase) -> None:
     rng = np.random.default_rng(1)
     tier = case.make(4096)
-    old, new = _bits(rng, (40,), np.float32), _bits(rng, (3, 3), np.int8)
+    old, new = random_bits(rng, (40,), np.float32), random_bits(rng, (3, 3), np.int8)
     assert insert(tier, "k", old)
     # The cache reserves room for the new value, installs it, then releases the old room.
     assert tier.reserve(new.nbytes)
@@ -291,7 +278,7 @@ def test_a_new_value_under_a_key_replaces_the_old(case: TierCase) -> None:
 
 def test_removing_an_absent_key_is_a_key_error_and_changes_nothing(case: TierCase) -> None:
     tier = case.make(4096)
-    value = _bits(np.random.default_rng(2), (8,), np.int16)
+    value = random_bits(np.random.default_rng(2), (8,), np.int16)
     assert insert(tier, "here", value)
     for key in ("absent", "here-not"):
         with pytest.raises(KeyError):
@@ -318,7 +305,7 @@ def test_used_is_the_room_of_the_resident_entries_after_any_sequence(case: TierC
             remove(tier, key)
             del expected[key]
         else:
-            value = _bits(rng, (sizes[int(rng.integers(len(sizes)))],), np.uint8)
+            value = random_bits(rng, (sizes[int(rng.integers(len(sizes)))],), np.uint8)
             if key in expected:  # replaced: as the cache does, new room first, old room after
                 if not tier.reserve(value.nbytes):
                     refused += 1
@@ -334,7 +321,7 @@ def test_used_is_the_room_of_the_resident_entries_after_any_sequence(case: TierC
 
 
 def test_load_gives_the_block_in_the_tiers_form(case: TierCase) -> None:
-    value = _bits(np.random.default_rng(4), (4, 4), np.float32)
+    value = random_bits(np.random.default_rng(4), (4, 4), np.float32)
     tier = case.make(4096)
     for owned in (False, True):
         out = tier.load(value.copy(), owned=owned)
@@ -389,7 +376,7 @@ def test_a_pytree_block_round_trips(case: TierCase) -> None:
     need(case, TREES)
     assert case.make(0).holds_trees
     rng = np.random.default_rng(6)
-    tree = {"k": _bits(rng, (2, 3), ml_dtypes.bfloat16), "v": [_bits(rng, (5,), np.int8)]}
+    tree = {"k": random_bits(rng, (2, 3), ml_dtypes.bfloat16), "v": [random_bits(rng, (5,), np.int8)]}
     tier = case.make(4096)
     assert insert(tier, "t", tree)
     assert tier.sizes["t"] == 12 + 5
@@ -414,7 +401,7 @@ def test_a_pytree_block_round_trips(case: TierCase) -> None:
     indirect=True,
 )
 def test_a_complex_block_round_trips(case: TierCase) -> None:
-    value = _bits(np.random.default_rng(7), (3, 4), np.complex64)
+    value = random_bits(np.random.default_rng(7), (3, 4), np.complex64)
     tier = case.make(4096)
     try:
         assert insert(tier, "c", value)
@@ -433,8 +420,8 @@ def _url() -> str:
 
 # A store of 12 blocks of 64 bytes (w) and 3 of bfloat16 (e), the last of them clipped to 32.
 STORE_TREE = {
-    "w": _bits(np.random.default_rng(8), (12, 16), np.float32),
-    "e": _bits(np.random.default_rng(9), (10, 8), ml_dtypes.bfloat16),
+    "w": random_bits(np.random.default_rng(8), (12, 16), np.float32),
+    "e": random_bits(np.random.default_rng(9), (10, 8), ml_dtypes.bfloat16),
 }
 BLOCK = 64  # the largest block
 
@@ -587,7 +574,7 @@ def test_reserve_device_counts_until_released(case: TierCase) -> None:
 def test_a_refused_put_changes_nothing(case: TierCase) -> None:
     need(case, DATA, L1)
     cache = case.cache(4 * BLOCK, 0, _data_store())
-    ok = _bits(np.random.default_rng(11), (4, 4), np.float32)
+    ok = random_bits(np.random.default_rng(11), (4, 4), np.float32)
     cache.put("kv:ok", ok)
     cache.get("w@0,0")
     tier = cache.tiers[case.index]
@@ -613,7 +600,7 @@ def test_put_then_get_round_trips_the_exact_bytes(case: TierCase) -> None:
     need(case, DATA)
     cache = case.cache(4 * BLOCK, 4 * BLOCK, _data_store())
     rng = np.random.default_rng(12)
-    puts = {f"kv:{i}": _bits(rng, (32,), dtype) for i, dtype in enumerate(DTYPES)}
+    puts = {f"kv:{i}": random_bits(rng, (32,), dtype) for i, dtype in enumerate(DTYPES)}
     for key, value in puts.items():  # more than L1 holds: the first ones go down to L2
         cache.put(key, value)
         check_cache(case, cache, puts)
@@ -633,7 +620,7 @@ def test_put_then_get_round_trips_the_exact_bytes(case: TierCase) -> None:
     indirect=True,
 )
 def test_a_complex_chunk_is_served_through_the_tier(case: TierCase) -> None:
-    src = _bits(np.random.default_rng(13), (4, 8), np.complex64)  # 4 blocks of 64 bytes
+    src = random_bits(np.random.default_rng(13), (4, 8), np.complex64)  # 4 blocks of 64 bytes
     store = cfj.write_store({"c": src}, _url(), chunk_bytes=BLOCK)
     cache = case.cache(2 * BLOCK, 2 * BLOCK, store)
     for _ in range(2):  # twice: a failed get must leave the cache as it found it
