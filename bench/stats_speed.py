@@ -26,7 +26,7 @@ from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import parse_size, read_trace
 from cacheflow_jax.trace.stats import trace_stats
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+SHARED = os.path.join(os.path.dirname(__file__), "..", "data", "traces")
 DEFAULT_TRACES = [
     os.path.join(SHARED, "mooncake_synthetic_trace.jsonl"),
     os.path.join(SHARED, "cloudPhysicsIO.csv.gz"),

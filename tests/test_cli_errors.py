@@ -21,7 +21,7 @@ from cacheflow_jax.cli import main
 from cacheflow_jax.store.write import write_store
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = ROOT / "data" / "traces"
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl"
 SMALL_DEMO = [
     "--layers", "2",

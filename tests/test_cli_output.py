@@ -19,7 +19,7 @@ from training import main as train_main
 from training import train
 
 ROOT = Path(__file__).resolve().parent.parent
-MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE = ROOT / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

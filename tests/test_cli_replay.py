@@ -9,7 +9,7 @@ import pytest
 
 from cacheflow_jax.cli import main
 
-TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
+TRACES = os.path.join(os.path.dirname(__file__), "..", "data", "traces")
 MOONCAKE = os.path.join(TRACES, "mooncake_synthetic_trace.jsonl")
 
 

@@ -13,7 +13,7 @@ from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import Trace, read_trace
 from cacheflow_jax.trace.stats import stack_distances, trace_stats
 
-TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
 SHARED = {
     "mooncake": TRACES / "mooncake_synthetic_trace.jsonl",
     "cloudphysics": TRACES / "cloudPhysicsIO.csv.gz",
