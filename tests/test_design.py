@@ -299,3 +299,16 @@ def test_no_module_class_or_function_is_too_long() -> None:
             if length > limits[kind]:
                 bad.append(f"{rel}:{node.lineno}: {kind} {node.name} has {length} lines")
     assert not bad, "over the limits (800/500/120 lines):\n" + "\n".join(bad)
+
+
+def test_nothing_reads_the_shared_folder_beside_the_checkout() -> None:
+    """A clone with nothing beside it passes its tests: no test, benchmark or library module
+    builds a path to ``../shared`` (the traces ship in data/traces)."""
+    pattern = re.compile(r"""["']shared["']|\.\./shared|parent\.parent\.parent""")
+    bad = []
+    for folder in (*PACKAGES, "tests", "bench", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line) and path.name != "test_design.py":
+                    bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "paths outside the project:\n" + "\n".join(bad)
