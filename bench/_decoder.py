@@ -216,7 +216,10 @@ class Engine:
         self.decode_batch = decode_batch
         model = Decoder(cfg, rngs=nnx.Rngs(seed))
         self.graphdef, state = nnx.split(model)
-        self.leaves, treedef = jax.tree.flatten(state)
+        leaves, treedef = jax.tree.flatten(state)
+        # Weights placed on the device explicitly, as a serving engine does (with a device or
+        # a mesh): its outputs, the KV blocks, are then committed to that device.
+        self.leaves = jax.device_put(leaves, jax.devices()[0])
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef, treedef))
         self._decode = jax.jit(functools.partial(_decode, self.graphdef, treedef))
 

@@ -10,7 +10,7 @@ up). Blocks are pytrees ``{"k": [L, T, kv], "v": [L, T, kv]}`` of device arrays.
 | `recompute` | no cache: every block is computed (the baseline) | - |
 | `device-lru` | a device-memory prefix cache with LRU eviction, what vLLM's automatic prefix caching does | L1 |
 | `host-lru` | device LRU over a host-memory LRU (blocks evicted from the device go to host memory, a hit there is copied back), what LMCache's CPU backend adds to vLLM | L1 + L2 |
-| `cacheflow` | `TieredCache` (its default policy) with L3 on local disk and the next blocks of queued requests brought up ahead | L1 + L2 + L3 |
+| `cacheflow` | `TieredCache` (its default policy) with L3 on local disk; a queued request's blocks that only L3 holds are read into L2 while it waits (`TieredCache.prefetch`) | L1 + L2 + L3 |
 | `all-resident` | every block ever computed stays on the device (the limit) | unbounded |
 """
 
@@ -229,8 +229,10 @@ class Cacheflow(Way):
             return
         n = self.cache.cached_prefix(keys)
         if n:
+            # The queued request's blocks that only L3 holds come up to L2 while it waits (as
+            # SGLang's HiCache does); L1 stays with the running requests' blocks.
             self._ahead = [f for f in self._ahead if not f.done()]
-            self._ahead.append(self.cache.get_many_async(keys[:n]))
+            self._ahead.append(self.cache.prefetch(keys[:n]))
 
     def settle(self) -> None:
         for future in self._ahead:

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax.cache.mover import DEVICE, Transit
-from cacheflow_jax.core.blocks import BudgetError
-from cacheflow_jax.core.pytree import block_info, flatten, is_tree
+from cacheflow_jax.core.blocks import BlockInfo, BudgetError
+from cacheflow_jax.core.pytree import flatten, is_tree, plain_leaves
 from cacheflow_jax.store.runtime_format import check_runtime_key, numeric
 from cacheflow_jax.tiers.memory import check_device_dtype
 
@@ -40,8 +40,7 @@ class RuntimeBlocks:
         check_runtime_key(key, mover.store.spec)
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} for {key!r} must be one of {KINDS}")
-        value = as_block(key, value)
-        info = block_info(key, value)
+        value, info = as_block(key, value)
         nbytes = info.nbytes
         device, wb = mover.tiers[DEVICE], mover.writeback
         if nbytes > device.budget:
@@ -205,11 +204,38 @@ class RuntimeBlocks:
             mover.notify_room()
 
 
-def as_block(key: str, value: Any) -> Any:
-    """``value`` as a block the device holds exactly: a numeric numpy or JAX array, or a pytree
-    of them (`cacheflow_jax.core.pytree`), else an error naming the key (and the leaf's path)."""
+def as_block(key: str, value: Any) -> tuple[Any, BlockInfo]:
+    """``value`` as a block the device holds exactly, and its `BlockInfo`: a numeric numpy or
+    JAX array, or a pytree of them (`cacheflow_jax.core.pytree`), else an error naming the key
+    (and the leaf's path)."""
+    import numpy as np
+
     if not is_tree(value):
-        return _as_array(key, value)
+        value = _as_array(key, value)
+        return value, BlockInfo(key, tuple(value.shape), np.dtype(value.dtype), int(value.nbytes))
+    leaves = plain_leaves(value)
+    if leaves is None or not all(type(leaf) in _CHECKED and leaf.dtype in _CHECKED[type(leaf)]
+                                 for leaf in leaves):  # fmt: skip
+        _check_leaves(key, value)  # the slow path: every leaf checked, errors name the path
+        leaves = plain_leaves(value)
+    nbytes = 0
+    described = []
+    for leaf in leaves:
+        nbytes += int(leaf.nbytes)
+        described.append((tuple(leaf.shape), leaf.dtype))
+    return value, BlockInfo(key, (nbytes,), np.dtype(np.uint8), nbytes, leaves=tuple(described))
+
+
+# Leaf types and dtypes checked once (numeric, not narrowed by the device): the dtypes seen so
+# far per array type, so that a KV block's leaves skip the check after the first put.
+_CHECKED: dict[type, set] = {}
+
+
+def _check_leaves(key: str, value: Any) -> None:
+    """Checks every leaf of the pytree ``value`` (errors name the key and the leaf's path)."""
+    import jax
+    import numpy as np
+
     leaves, _ = flatten(value, key)
     for path, leaf in leaves:
         if not _has_dtype(leaf):
@@ -218,7 +244,9 @@ def as_block(key: str, value: Any) -> Any:
                 "of a pytree block are numpy or JAX arrays"
             )
         _as_array(f"{key}{path}", leaf)
-    return value
+        if isinstance(leaf, jax.Array | np.ndarray) and not jax.config.jax_enable_x64:
+            # x64 off: a dtype that passed stays good (turning x64 on only widens what passes)
+            _CHECKED.setdefault(type(leaf), set()).add(np.dtype(leaf.dtype))
 
 
 def _has_dtype(leaf: Any) -> bool:

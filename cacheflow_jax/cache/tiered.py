@@ -7,6 +7,7 @@ which helper does the work.
   (its design note is the cache's);
 * `cacheflow_jax.cache.demand.Demand`: gets that miss L1, batched gets, host reads;
 * `cacheflow_jax.cache.runtime.RuntimeBlocks`: puts, evictions, lookups and pins;
+* `cacheflow_jax.cache.staging.Staging`: L3 -> L2 reads ahead of a queued request;
 * `cacheflow_jax.cache.writeback.WriteBack`: runtime blocks not yet durable and their writes;
 * `cacheflow_jax.cache.prefetch_driver.PrefetchDriver`: a predictor's loads;
 * `cacheflow_jax.cache.replay_moves.SyncMoves`: replay's moves, without data;
@@ -36,6 +37,7 @@ from cacheflow_jax.cache.pins import Pins
 from cacheflow_jax.cache.prefetch_driver import PrefetchDriver
 from cacheflow_jax.cache.replay_moves import SyncMoves
 from cacheflow_jax.cache.runtime import KINDS, RuntimeBlocks
+from cacheflow_jax.cache.staging import Staging
 from cacheflow_jax.cache.writeback import WriteBack
 from cacheflow_jax.core.blocks import DEFAULT_TIMEOUT, BlockInfo, BudgetError, Store
 from cacheflow_jax.planning.planner import Planner
@@ -162,6 +164,7 @@ class TieredCache:
                                     read_buffer=read_buffer)  # fmt: skip
         self._demand = Demand(mover)
         self._runtime = RuntimeBlocks(mover, self._demand)
+        self._staging = Staging(mover)
         if _tensorstore_store(store):
             store.add_sibling_listener(self._demand.take_siblings)
         self._driver = self._sync = None
@@ -252,6 +255,14 @@ class TieredCache:
         from cacheflow_jax.store.futures import thread_pool
 
         return thread_pool("get", 4).submit(self.get_many, list(keys))
+
+    def prefetch(self, keys: Iterable[str]) -> Future:
+        """Starts reading the blocks of ``keys`` that only L3 holds into L2, in the background
+        (a queued request's blocks: `cacheflow_jax.cache.staging`); a `Future` of how many
+        went in. Nothing goes into L1; resident, moving and unknown keys are skipped."""
+        from cacheflow_jax.store.futures import thread_pool
+
+        return thread_pool("stage", 2).submit(self._staging.stage, list(keys))
 
     # ------------------------------------------------------------------------- runtime blocks
 
@@ -527,16 +538,8 @@ class TieredCache:
         self.close()
 
     def stats(self) -> dict:
-        """Counters in the shape of ``cacheflow replay --json`` (see docs/design.md).
-
-        Besides the replay fields: ``tiers`` (per tier ``used``, ``budget`` and ``blocks``; L1
-        also ``pinned_bytes`` and ``pinned_blocks``), ``bytes`` (bytes requested, and served
-        from the device, from the host, and from L3), ``l3`` (L3 reads, their bytes, and the
-        seconds from issuing each batch of reads until its last one ended) and ``writebacks``
-        (runtime blocks written to L3: ``count`` and ``bytes``; ``superseded``: writes the
-        store refused because a later version was there; ``stalls`` and ``stall_seconds``: puts
-        that waited for write-back room, and how long; ``dirty_bytes``: bytes not yet durable).
-        """
+        """Counters in the shape of ``cacheflow replay --json``, plus ``tiers``, ``bytes``,
+        ``l3`` and ``writebacks``: docs/design.md's "Replay JSON and `stats()`" lists each."""
         read_stats = self.store.read_stats() if _tensorstore_store(self.store) else None
         return stats_of(self._counters, self._mover, self._wb, self._driver, read_stats)
 

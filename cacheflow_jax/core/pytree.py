@@ -88,6 +88,29 @@ def flatten(value: Any, key: str) -> tuple[list[tuple[str, Any]], dict]:
     return leaves, structure
 
 
+def plain_leaves(value: Any) -> list[Any] | None:
+    """The leaves of a pytree block built of exact ``dict`` (str keys), ``list`` and ``tuple``
+    containers, in `flatten`'s order; None for anything else (`flatten` then says what is
+    wrong). The fast path of a put: no paths, no structure."""
+    out: list[Any] = []
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is dict:
+            for k in node:
+                if type(k) is not str:
+                    return None
+            stack.extend(reversed(node.values()))
+        elif kind is list or kind is tuple:
+            stack.extend(reversed(node))
+        elif isinstance(node, list | tuple | dict):
+            return None
+        else:
+            out.append(node)
+    return out or None
+
+
 def unflatten(structure: dict, leaves: list[Any]) -> Any:
     """Rebuilds a pytree block from its structure (`flatten`) and leaves."""
     if "leaf" in structure:

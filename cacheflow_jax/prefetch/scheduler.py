@@ -145,7 +145,7 @@ class PrefetchSettings:
                 raise ValueError(f"PrefetchSettings: {what}; got {self}")
 
 
-COUNTERS = ("issued", "used", "timely", "late", "wasted", "dropped", "promoted")
+COUNTERS = ("issued", "used", "timely", "late", "wasted", "dropped", "promoted", "staged")
 
 
 def new_counters() -> dict[str, int]:

@@ -60,6 +60,7 @@ class AbstractTier(abc.ABC):
     used: int
     entries: dict[str, Any]
     holds_trees = True  # pytree blocks (`_pytree`) as well as arrays
+    host_memory = False  # a device tier whose device's memory is host memory (JAX's CPU)
 
     def __init__(self, budget: int, *, setting: str) -> None:
         # numbers.Integral: Python's and numpy's integers (numpy registers its own).
@@ -102,6 +103,10 @@ class AbstractTier(abc.ABC):
         A caller's array (`TieredCache.put`) is never owned: it is copied.
         """
 
+    def load_many(self, values: list[Any], *, owned: bool = False) -> list[Any]:
+        """`load` of several values (a tier may move them in one transfer)."""
+        return [self.load(value, owned=owned) for value in values]
+
 
 class DeviceTier(AbstractTier):
     """L1: ``jax.Array`` values on one device."""
@@ -113,13 +118,21 @@ class DeviceTier(AbstractTier):
 
         super().__init__(budget, setting="device_bytes")
         self.device = device if device is not None else jax.devices()[0]
+        self.sharding = jax.sharding.SingleDeviceSharding(self.device)
+        self.host_memory = self.device.platform == "cpu"
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
         """The block (an array, or a pytree of arrays: `_pytree`) on the device."""
-        return to_device(value, self.device, owned=owned)
+        return to_device(value, self.device, owned=owned, sharding=self.sharding)
+
+    def load_many(self, values: list[Any], *, owned: bool = False) -> list[Any]:
+        """`load` of several blocks in one ``jax.device_put``."""
+        return to_device(list(values), self.device, owned=owned, sharding=self.sharding)
 
 
-def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> Any:
+def to_device(
+    value: Any, device: jax.Device, *, owned: bool = False, sharding: Any = None
+) -> Any:
     """``value`` (an array or a pytree of arrays) as ready arrays on ``device``, committed.
 
     Every leaf is committed to ``device``, as a block coming from any other tier is, so that a
@@ -131,6 +144,9 @@ def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> Any:
     fact. A caller's array is copied: the CPU backend aliases an aligned numpy array whatever
     ``may_alias`` says (jax 0.10), and the caller may write into it later.
 
+    ``sharding``: ``SingleDeviceSharding(device)``, when the caller keeps one (a tenth of the
+    cost of committing a leaf is making it).
+
     Raises:
       DtypeError: the device changed a dtype (callers check with `check_device_dtype` first).
     """
@@ -139,13 +155,15 @@ def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> Any:
     tree = type(value) in TREES
     leaves = leaves_of(value) if tree else [value]
     moving = []
+    changed = False
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, jax.Array) and leaf.devices() == {device}:
             if not leaf.committed:
+                changed = True
                 # The same buffer, committed (a tenth of what a device_put costs).
-                leaves[i] = jax.make_array_from_single_device_arrays(
-                    leaf.shape, jax.sharding.SingleDeviceSharding(device), [leaf]
-                )
+                if sharding is None:
+                    sharding = jax.sharding.SingleDeviceSharding(device)
+                leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, [leaf])
             continue
         if not owned and device.platform == "cpu" and not isinstance(leaf, jax.Array):
             import numpy as np
@@ -162,8 +180,11 @@ def to_device(value: Any, device: jax.Device, *, owned: bool = False) -> Any:
                 )
             leaves[i] = moved
         jax.block_until_ready(out)  # the transfer has finished before the bytes count
+        changed = True
     if not tree:
         return leaves[0]
+    if owned and not changed:
+        return value  # every leaf is already there, committed: the same (owned) block
     it = iter(leaves)
     return tree_map(lambda _: next(it), value)
 
@@ -184,7 +205,12 @@ class HostTier(AbstractTier):
 
     def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
         if type(value) in TREES:
-            return tree_map(lambda leaf: _to_host_tier(leaf, owned), value)
+            leaves = leaves_of(value)
+            kept = [_to_host_tier(leaf, owned) for leaf in leaves]
+            if owned and all(a is b for a, b in zip(kept, leaves)):
+                return value  # device arrays in host memory: the same (owned) block
+            it = iter(kept)
+            return tree_map(lambda _: next(it), value)
         return _to_host_tier(value, owned)
 
 

@@ -259,6 +259,8 @@ class SlabTier(AbstractTier):
         ):
             raise BudgetError(f"line_bytes={line_bytes!r} must be a positive integer")
         self.device = device if device is not None else jax.devices()[0]
+        self.sharding = jax.sharding.SingleDeviceSharding(self.device)
+        self.host_memory = self.device.platform == "cpu"
         self.line_bytes = int(line_bytes)
         self.slab = LineSlab(
             self.budget // self.line_bytes,
@@ -282,7 +284,7 @@ class SlabTier(AbstractTier):
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
         """The block as a device array (the array a miss hands to the caller)."""
-        return to_device(value, self.device, owned=owned)
+        return to_device(value, self.device, owned=owned, sharding=self.sharding)
 
     def put_reserved(self, key: str, value: Any, nbytes: int) -> None:
         value = value if isinstance(value, jax.Array) else self.load(value)
