@@ -134,8 +134,24 @@ def tree_map(fn: Callable[[Any], Any], value: Any) -> Any:
 def leaves_of(value: Any) -> list[Any]:
     """The leaves of a block, in `flatten`'s order (a plain array: itself)."""
     out: list[Any] = []
-    tree_map(out.append, value)
+    _collect(value, out)
     return out
+
+
+def _collect(node: Any, out: list[Any]) -> None:
+    """Appends the leaves of ``node`` to ``out`` (`tree_map`'s walk, building nothing)."""
+    if isinstance(node, dict):
+        children: Any = node.values()
+    elif type(node) in (list, tuple):
+        children = node
+    else:
+        out.append(node)
+        return
+    for child in children:
+        if isinstance(child, dict) or type(child) in (list, tuple):
+            _collect(child, out)
+        else:
+            out.append(child)
 
 
 def block_info(key: str, value: Any) -> BlockInfo:
