@@ -9,6 +9,7 @@ Public surface (docs/design.md has the contracts): `open_store`, `write_store`, 
 
 import importlib
 
+from cacheflow_jax.cache.config import CacheConfig
 from cacheflow_jax.cache.tiered import TieredCache, kind_of
 from cacheflow_jax.core.blocks import (
     ArrayInfo,
@@ -64,6 +65,7 @@ __all__ = [
     "LazyArray",
     "BlockInfo",
     "BudgetError",
+    "CacheConfig",
     "CorruptBlockError",
     "DtypeError",
     "Policy",

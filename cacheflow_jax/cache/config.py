@@ -21,7 +21,42 @@ DEVICE_LAYOUTS = ("arrays", "slab")
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The settings of a `TieredCache` (its constructor's keywords; see there for each).
+    """The settings of a `TieredCache` (its constructor's keywords), checked once.
+
+    Args:
+      device_bytes: L1 budget in bytes; at least the largest block of the store.
+      host_bytes: L2 budget in bytes; 0 disables L2, otherwise at least the largest block.
+      policy: a policy name (``"lfu"``, ``"lru"``, ``"lfu-plain"``) or a `Policy`.
+      prefetcher: a `predictor.Predictor` (``observe`` / ``predict`` / ``reset``) that drives
+        asynchronous L3 -> L2 -> L1 loads of the blocks it expects next; or the path of a
+        predictor checkpoint (``cacheflow train ... --out OUT`` writes ``OUT/checkpoint``), loaded
+        here: a damaged one (`predictor.CorruptCheckpointError`) warns once and the cache runs
+        without prefetch, a path that is no checkpoint raises `predictor.CheckpointError`;
+        None: no prefetch. See `cacheflow_jax.prefetch.scheduler` and ``prefetch``.
+      prefetch: how to prefetch (a `PrefetchSettings`); the defaults when None.
+      clock: seconds, monotonic; injected for tests and replay.
+      device: the L1 device; the default device if omitted.
+      read_buffer: how many buffered hits trigger a policy update (1 applies each at once).
+      l3_timeout: seconds an L3 read may take before the miss raises `StoreTimeoutError` (a
+        `StoreError` naming the key and the store); also the longest `put` waits for room in
+        the write-back budget and the default deadline of `flush`. None waits forever. Hits in
+        L1 and L2 never wait on L3.
+      writeback_bytes: the most bytes of runtime blocks not yet durable in L3 that the cache
+        holds at once, resident in L1/L2 or waiting to be written back; a `put` beyond it first
+        starts write-backs and waits for them (up to ``l3_timeout``), then raises `StoreError`.
+        Default: twice ``device_bytes + host_bytes``.
+      device_layout: ``"arrays"`` (one ``jax.Array`` per L1 block, the default) or ``"slab"``
+        (one preallocated slab of fixed-size lines filled and read by the Pallas kernels; see
+        `cacheflow_jax.tiers.slab`).
+      line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
+        power of two dividing the store's chunk sizes, within 4-64 KiB (see
+        `cacheflow_jax.tiers.slab.default_line_bytes`).
+      block_bytes: the largest block (a `TensorStoreStore` only): a stored chunk larger than
+        this is served as sub-blocks along its leading axis, and ``cache.store`` is then a view
+        of the store with those blocks (`TensorStoreStore.with_block_bytes`). Default:
+        ``device_bytes // 8`` for stores whose chunks their writer did not choose for caching
+        (orbax checkpoints, other zarr3 stores); a store from ``write_store`` keeps its
+        ``chunk_bytes`` blocks.
 
     Raises (at construction):
       BudgetError: ``writeback_bytes`` is not a non-negative integer.

@@ -11,7 +11,8 @@ which helper does the work.
 * `cacheflow_jax.cache.writeback.WriteBack`: runtime blocks not yet durable and their writes;
 * `cacheflow_jax.cache.prefetch_driver.PrefetchDriver`: a predictor's loads;
 * `cacheflow_jax.cache.replay_moves.SyncMoves`: replay's moves, without data;
-* `cacheflow_jax.cache.counters.Counters`: what `stats()` reports.
+* `cacheflow_jax.cache.counters.Counters`: what `stats()` reports;
+* `cacheflow_jax.cache.assembly`: how these are built from a `CacheConfig`.
 
 The hit path is the one thing done here: a dict lookup plus an append to a read buffer, with no
 lock, no I/O and no logging.
@@ -20,30 +21,22 @@ lock, no I/O and no logging.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from cacheflow_jax.cache.assembly import assemble, tensorstore_store
 from cacheflow_jax.cache.config import CacheConfig
-from cacheflow_jax.cache.counters import Counters, stats_of
-from cacheflow_jax.cache.demand import Demand, to_host
-from cacheflow_jax.cache.mover import DEVICE, HOST, Mover
-from cacheflow_jax.cache.pins import Pins
-from cacheflow_jax.cache.prefetch_driver import PrefetchDriver
-from cacheflow_jax.cache.replay_moves import SyncMoves
-from cacheflow_jax.cache.runtime import KINDS, RuntimeBlocks
-from cacheflow_jax.cache.staging import Staging
-from cacheflow_jax.cache.writeback import WriteBack
-from cacheflow_jax.core.blocks import DEFAULT_TIMEOUT, BlockInfo, BudgetError, Store
+from cacheflow_jax.cache.counters import stats_of
+from cacheflow_jax.cache.mover import DEVICE
+from cacheflow_jax.cache.runtime import KINDS
+from cacheflow_jax.core.blocks import DEFAULT_TIMEOUT, BlockInfo, Store
 from cacheflow_jax.planning.planner import Planner
-from cacheflow_jax.policies import Policy, get_policy
-from cacheflow_jax.prefetch.scheduler import PrefetchSettings, load_prefetcher
-from cacheflow_jax.tiers.memory import AbstractTier, HostTier
+from cacheflow_jax.policies import Policy
+from cacheflow_jax.prefetch.scheduler import PrefetchSettings
+from cacheflow_jax.tiers.memory import AbstractTier
 
 if TYPE_CHECKING:
     import jax
@@ -66,40 +59,12 @@ class TieredCache:
 
     Args:
       store: the L3 store (see `cacheflow_jax.open_store`).
-      device_bytes: L1 budget in bytes; at least the largest block of the store.
-      host_bytes: L2 budget in bytes; 0 disables L2, otherwise at least the largest block.
-      policy: a policy name (``"lfu"``, ``"lru"``, ``"lfu-plain"``) or a `Policy`.
-      prefetcher: a `predictor.Predictor` (``observe`` / ``predict`` / ``reset``) that drives
-        asynchronous L3 -> L2 -> L1 loads of the blocks it expects next; or the path of a
-        predictor checkpoint (``cacheflow train ... --out OUT`` writes ``OUT/checkpoint``), loaded
-        here: a damaged one (`predictor.CorruptCheckpointError`) warns once and the cache runs
-        without prefetch, a path that is no checkpoint raises `predictor.CheckpointError`;
-        None: no prefetch. See `cacheflow_jax.prefetch.scheduler` and ``prefetch``.
-      prefetch: how to prefetch (a `PrefetchSettings`); the defaults when None.
-      clock: seconds, monotonic; injected for tests and replay.
-      device: the L1 device; the default device if omitted.
       tiers: advanced: replace the L1/L2 tier objects (replay uses metadata-only tiers).
-      read_buffer: how many buffered hits trigger a policy update (1 applies each at once).
-      l3_timeout: seconds an L3 read may take before the miss raises `StoreTimeoutError` (a
-        `StoreError` naming the key and the store); also the longest `put` waits for room in
-        the write-back budget and the default deadline of `flush`. None waits forever. Hits in
-        L1 and L2 never wait on L3.
-      writeback_bytes: the most bytes of runtime blocks not yet durable in L3 that the cache
-        holds at once, resident in L1/L2 or waiting to be written back; a `put` beyond it first
-        starts write-backs and waits for them (up to ``l3_timeout``), then raises `StoreError`.
-        Default: twice ``device_bytes + host_bytes``.
-      device_layout: ``"arrays"`` (one ``jax.Array`` per L1 block, the default) or ``"slab"``
-        (one preallocated slab of fixed-size lines filled and read by the Pallas kernels; see
-        `cacheflow_jax.tiers.slab`).
-      line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
-        power of two dividing the store's chunk sizes, within 4-64 KiB (see
-        `cacheflow_jax.tiers.slab.default_line_bytes`).
-      block_bytes: the largest block (a `TensorStoreStore` only): a stored chunk larger than
-        this is served as sub-blocks along its leading axis, and ``cache.store`` is then a view
-        of the store with those blocks (`TensorStoreStore.with_block_bytes`). Default:
-        ``device_bytes // 8`` for stores whose chunks their writer did not choose for caching
-        (orbax checkpoints, other zarr3 stores); a store from ``write_store`` keeps its
-        ``chunk_bytes`` blocks.
+      device_bytes, host_bytes, ...: the settings, each documented in `CacheConfig` (kept as
+        ``cache.config``): ``device_bytes`` and ``host_bytes`` (the budgets), ``policy``,
+        ``prefetcher`` and ``prefetch``, ``clock``, ``device``, ``read_buffer``,
+        ``l3_timeout``, ``writeback_bytes``, ``device_layout``, ``line_bytes``,
+        ``block_bytes``.
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
@@ -131,51 +96,19 @@ class TieredCache:
         line_bytes: int | None = None,
         block_bytes: int | None = None,
     ) -> None:
-        config = self.config = CacheConfig(
+        self.config = CacheConfig(
             device_bytes=device_bytes, host_bytes=host_bytes, policy=policy,
             prefetcher=prefetcher, prefetch=prefetch, clock=clock, device=device,
             read_buffer=read_buffer, l3_timeout=l3_timeout, writeback_bytes=writeback_bytes,
             device_layout=device_layout, line_bytes=line_bytes, block_bytes=block_bytes,
         )  # fmt: skip
-        if block_bytes is not None or _tensorstore_store(store):
-            from cacheflow_jax.store.tensorstore_store import fit_blocks
-
-            store = fit_blocks(store, device_bytes, block_bytes)
-        self.store = store
-        asked = None if tiers is not None else (config.device_bytes, config.host_bytes)
-        tiers = _make_tiers(config, store) if tiers is None else list(tiers)
-        largest = _check_budgets(tiers, store, asked)
-        self.policy = get_policy(config.policy)
-        settings = config.prefetch_settings
-        if isinstance(prefetcher, str | os.PathLike):
-            prefetcher = load_prefetcher(prefetcher)
-        self.prefetcher = prefetcher
-        planner = Planner(self.policy, len(tiers), has_host=len(tiers) > HOST and
-                          tiers[HOST].budget > 0, tracking=prefetcher is not None,
-                          adaptive=settings.adaptive, prior_return=settings.min_score)  # fmt: skip
-        lock = threading.Lock()
-        self._counters = counters = Counters()
-        self._wb = WriteBack(
-            store, lock, budget=config.writeback_budget(sum(t.budget for t in tiers)),
-            resident=lambda key: mover.resident(key), to_host=to_host,
-        )  # fmt: skip
-        self._mover = mover = Mover(store, tiers, planner, counters, self._wb, Pins(), lock=lock,
-                                    clock=clock, l3_timeout=l3_timeout,
-                                    read_buffer=read_buffer)  # fmt: skip
-        self._demand = Demand(mover)
-        self._runtime = RuntimeBlocks(mover, self._demand)
-        self._staging = Staging(mover)
-        if _tensorstore_store(store):
-            store.add_sibling_listener(self._demand.take_siblings)
-        self._driver = self._sync = None
-        if prefetcher is not None:
-            self._driver = PrefetchDriver(mover, self._demand, prefetcher, settings, largest,
-                                          describe=self._describe)  # fmt: skip
-        replay = self._driver.replay if self._driver is not None else None
-        self._sync = SyncMoves(mover, replay if replay is not None and not replay.data else None)
-        if replay is not None:
-            replay.moves = self._sync
+        parts = assemble(store, self.config, tiers, self._describe)
+        self.store, self.policy, self.prefetcher = parts.store, parts.policy, parts.prefetcher
+        self._counters, self._wb, self._mover = parts.counters, parts.writeback, parts.mover
+        self._demand, self._runtime, self._staging = parts.demand, parts.runtime, parts.staging
+        self._driver, self._sync = parts.driver, parts.sync
         # The hit path's names, and whether gets go through the prefetch driver.
+        mover = parts.mover
         self._l1, self._reads, self._read_buffer = mover.l1, mover.reads, mover.read_buffer
         self._hooked = False
         self.start_prefetch()
@@ -203,11 +136,8 @@ class TieredCache:
         return self._demand.get_slow(key)
 
     def get_many(self, keys: Iterable[str], req: str | None = None) -> list[jax.Array]:
-        """Returns several blocks; all the L3 reads among them are issued at once.
-
-        The policy sees the L1 hits first (the hit path), then the blocks only L3 holds (their
-        reads start at once), then the rest in the order of ``keys``: a block in L2 is promoted
-        before the next key's access, as `get` of each key in turn would do.
+        """Returns several blocks; all the L3 reads among them are issued at once. The policy
+        sees the L1 hits, then the L3 blocks, then the rest in order (`Demand.get_many`).
 
         Raises:
           KeyError: a key names no block (before anything moves).
@@ -218,11 +148,8 @@ class TieredCache:
         return self._demand.get_many(keys)
 
     def get_host_many(self, keys: Iterable[str]) -> list[np.ndarray]:
-        """Returns blocks as host arrays without promoting them to L1.
-
-        For callers that keep their own device copy of what is hot (`serving`'s ``lookup`` of
-        embedding rows). Hits in L1 or L2 count as such and stay where they are; the rest are
-        read from L3 in one batch and kept in L2 when the policy admits them.
+        """Returns blocks as host arrays, promoting nothing to L1 (for `serving`'s ``lookup``,
+        which keeps its own device copy of hot rows); L3 blocks go to L2 if admitted.
 
         Raises:
           KeyError: no block for one of ``keys`` (before anything is read).
@@ -230,15 +157,11 @@ class TieredCache:
         return self._demand.get_host_many(keys)
 
     def get_found(self, keys: Iterable[str]) -> tuple[dict[str, jax.Array], list[str]]:
-        """`get_many` of the blocks that exist; the others are returned instead of raised.
-
-        Returns:
-          ``(blocks, missing)``: a dict of the found keys' blocks (in the order of ``keys``)
-          and the list of keys with no block anywhere (neither put nor in L3).
+        """`get_many` of the blocks that exist: ``(blocks, missing)``, a dict of the found keys'
+        blocks (in order) and the keys with no block anywhere, instead of a `KeyError`.
 
         Raises:
-          StoreError: as `get_many` (a read failed or timed out); KeyError only for a key that
-            vanished between the lookup and the read.
+          StoreError: as `get_many`.
         """
         keys = list(dict.fromkeys(keys))
         where = {k: self.locate(k) for k in keys}
@@ -247,11 +170,7 @@ class TieredCache:
         return dict(zip(found, self.get_many(found))), missing
 
     def get_many_async(self, keys: Iterable[str]) -> Future:
-        """Starts `get_many` on a background thread; returns its `concurrent.futures.Future`.
-
-        Lets a serving loop overlap the L3 reads of queued requests' blocks with the current
-        step (``future.result()`` gives the list of blocks, or raises as `get_many` does).
-        """
+        """Starts `get_many` on a background thread; returns its `concurrent.futures.Future`."""
         from cacheflow_jax.store.futures import thread_pool
 
         return thread_pool("get", 4).submit(self.get_many, list(keys))
@@ -267,36 +186,26 @@ class TieredCache:
     # ------------------------------------------------------------------------- runtime blocks
 
     def put(self, key: str, value: Any, *, kind: str = "kv", writeback: bool = True) -> None:
-        """Stores a runtime block (for example a KV block keyed by prefix hash) in L1.
+        """Stores a runtime block (an array, or a pytree of arrays such as per-layer K and V) in
+        L1; it returns once the block is there and counted (docs/kv_cache.md).
 
-        The block is an array, or a pytree of arrays (a ``dict``/``list``/``tuple`` tree, for
-        example per-layer K and V; see `cacheflow_jax.core.pytree`): one key, one budget entry
-        and one file in L3, and `get` returns the same structure, bitwise, from every tier.
-
-        The put returns once the block is in L1 and counted. It is written back to L3 in the
-        background when it leaves the cache and on `flush`; only when ``writeback_bytes`` is
-        full does a put wait for a write-back to finish (counted in ``stats()["writebacks"]``
-        as a stall). Everything is checked before anything is stored, so a refused put changes
-        nothing.
+        The block is written back to L3 in the background when it leaves the cache and on
+        `flush`; a put waits only while ``writeback_bytes`` is full (a stall in ``stats()``).
+        Everything is checked first: a refused put changes nothing.
 
         Args:
           key: the block's key (no ``@``).
-          value: the block.
+          value: the block; `get` returns the same structure, bitwise, from every tier.
           kind: its access-log kind.
-          writeback: False for a block that need not be durable (a prefix cache's cold KV can
-            be recomputed): it is dropped, not written, when it leaves the cache, and it does
-            not count against ``writeback_bytes``. Ignored (the block is written back) when L3
-            already holds an earlier version of the key, so that L3 never serves older bytes.
+          writeback: False for a block that need not be durable: dropped, not written, when it
+            leaves (ignored when L3 holds an earlier version: L3 never serves older bytes).
 
         Raises:
-          TypeError: ``key`` is not a str, ``value`` is not a numeric array or a pytree of
-            them, or a pytree block with ``device_layout="slab"``.
-          ValueError: ``key`` cannot name a runtime block (empty, contains ``'@'``, not valid
-            UTF-8, too long for a file name), ``kind`` is unknown, or the key is pinned.
-          DtypeError: the array's dtype would be narrowed on the device (64-bit with
-            ``jax_enable_x64`` off).
-          BudgetError: the block is larger than ``device_bytes`` or ``writeback_bytes``, or
-            than the room that pinned blocks leave in L1.
+          TypeError: a key that is not a str, a value that is not numeric arrays, or a pytree
+            with ``device_layout="slab"``.
+          ValueError: a key that cannot name a runtime block, an unknown ``kind``, or a pinned key.
+          DtypeError: JAX would narrow the dtype (64-bit with ``jax_enable_x64`` off).
+          BudgetError: larger than ``device_bytes``, ``writeback_bytes`` or the unpinned room.
           StoreError: the write-back budget stayed full for ``l3_timeout`` (L3 is failing).
         """
         self._runtime.put(key, value, kind=kind, writeback=writeback)
@@ -386,15 +295,9 @@ class TieredCache:
     # ------------------------------------------------------------------------------ write-back
 
     def flush(self, *, timeout: float | None = None) -> None:
-        """Writes the latest version of every dirty runtime block to L3 and waits until each is
-        durable (a block put again meanwhile is written again: its newest bytes land last).
-
-        Resident blocks stay resident (now clean). A write that fails is retried once within
-        the same call; if it fails again, its error is raised, and the block stays in memory
-        for the next flush.
-
-        Args:
-          timeout: seconds to wait; by default the cache's ``l3_timeout``.
+        """Writes the newest version of every dirty runtime block to L3 and waits until each is
+        durable (within ``timeout``, by default ``l3_timeout``); blocks stay resident, now clean.
+        A failing write is retried once; then its error is raised and the block stays in memory.
 
         Raises:
           StoreError: a write-back failed twice (the block stays in memory).
@@ -415,14 +318,9 @@ class TieredCache:
     # --------------------------------------------------------- L1 room for `lookup`, replay
 
     def reserve_device(self, nbytes: int) -> AbstractTier:
-        """Reserves ``nbytes`` of L1 for data the caller keeps on the device itself.
-
-        Blocks are evicted (demoted) as the policy says until the bytes fit; they stay counted
-        in L1's ``used`` until `release_device`. For `serving`'s ``lookup``, whose hot embedding
-        rows share L1's budget with blocks.
-
-        Returns:
-          The L1 tier (a `SlabTier` then hands out lines for the reserved bytes).
+        """Reserves ``nbytes`` of L1 for data the caller keeps on the device (`serving`'s hot
+        embedding rows), evicting blocks as the policy says, until `release_device`; returns the
+        L1 tier (a `SlabTier` hands out lines for them).
 
         Raises:
           BudgetError: ``nbytes`` cannot fit in L1 even with every block evicted.
@@ -434,16 +332,9 @@ class TieredCache:
         self._demand.release_device(nbytes)
 
     def access_sync(self, key: str, now: float | None = None) -> None:
-        """Records one access and moves blocks as `get` would, synchronously and without data.
-
-        For replay over metadata-only tiers (`MetadataTier`) in a single thread: it makes the
-        same calls on the same policy and tiers, in the same order, as `get` with
-        ``read_buffer=1`` (`cacheflow_jax.cache.replay_moves`). Not for runtime blocks.
-
-        Args:
-          key: the block accessed.
-          now: the access time (replay passes the trace's); by default the cache's clock.
-        """
+        """Records one access and moves blocks as `get` would, synchronously and without data:
+        replay's step over metadata-only tiers (`cacheflow_jax.cache.replay_moves`), at ``now``
+        (by default the cache's clock)."""
         self._sync.access_many((key,), (self.config.clock() if now is None else now,))
 
     def access_many_sync(
@@ -454,13 +345,8 @@ class TieredCache:
         *,
         general: bool = False,
     ) -> None:
-        """`access_sync` for each of ``keys`` in turn, at its time in ``times``: replay's loop.
-
-        Args:
-          keys: the blocks accessed, in order.
-          times: each access's time.
-          sizes: each block's size in bytes (replay knows them from its trace); None: looked up
-            in the store before the first access.
+        """`access_sync` for each of ``keys`` at its time in ``times`` (replay's loop); ``sizes``:
+        each block's bytes if known (else looked up in the store first).
 
         Raises:
           KeyError: a key is neither in the store nor among runtime blocks (nothing was counted).
@@ -470,20 +356,14 @@ class TieredCache:
     # ------------------------------------------------------------------------------ prefetch
 
     def start_prefetch(self) -> None:
-        """Starts the background prefetch worker (if this cache prefetches and it is stopped).
-
-        `serving` calls it on entry; the constructor already did for a new cache.
-        """
+        """Starts the prefetch worker if this cache prefetches (`serving` calls it on entry)."""
         if self._driver is not None:
             self._driver.start()
             self._hooked = self._driver.wraps_gets
 
     def stop_prefetch(self) -> None:
-        """Stops the prefetch worker: no thread is left and no load lands after this returns.
-
-        Loads still in flight are abandoned (a waiting access reads the block itself). `serving`
-        calls it on exit; `start_prefetch` starts again.
-        """
+        """Stops the prefetch worker: no thread is left and no load lands after this returns
+        (a waiting access reads its block itself). `serving` calls it on exit."""
         if self._driver is not None:
             self._driver.stop()
             self._hooked = self._driver.wraps_gets
@@ -540,7 +420,7 @@ class TieredCache:
     def stats(self) -> dict:
         """Counters in the shape of ``cacheflow replay --json``, plus ``tiers``, ``bytes``,
         ``l3`` and ``writebacks``: docs/design.md's "Replay JSON and `stats()`" lists each."""
-        read_stats = self.store.read_stats() if _tensorstore_store(self.store) else None
+        read_stats = self.store.read_stats() if tensorstore_store(self.store) else None
         return stats_of(self._counters, self._mover, self._wb, self._driver, read_stats)
 
     def check_budgets(self) -> None:
@@ -552,45 +432,4 @@ class TieredCache:
                     raise AssertionError(
                         f"{tier.name}: resident={resident} used={tier.used} budget={tier.budget}"
                     )
-
-
-def _make_tiers(config: CacheConfig, store: Store) -> list[AbstractTier]:
-    from cacheflow_jax.tiers.slab import make_device_tier  # JAX comes with the device tier
-
-    return [
-        make_device_tier(config.device_layout, config.device_bytes, store=store,
-                         line_bytes=config.line_bytes, device=config.device),
-        HostTier(config.host_bytes),
-    ]  # fmt: skip
-
-
-def _check_budgets(
-    tiers: Sequence[AbstractTier], store: Store, asked: Sequence[int] | None = None
-) -> int:
-    """Checks that each tier holds the store's largest block; returns that block's size.
-    ``asked``: the budgets as given (a slab rounds L1's down to whole lines)."""
-    largest = 0
-    for array in store.arrays().values():
-        chunk = [min(c, s) for c, s in zip(array.chunk_shape, array.shape)]
-        largest = max(largest, math.prod(chunk) * array.dtype.itemsize)
-    for i, (tier, setting) in enumerate(zip(tiers, ("device_bytes", "host_bytes"))):
-        if tier.budget == 0 and setting == "host_bytes":
-            continue
-        if tier.budget < largest:
-            given = tier.budget if asked is None else asked[i]
-            lines = "" if given == tier.budget else f" (whole lines: {tier.budget} bytes)"
-            raise BudgetError(
-                f"{setting}={given}{lines} is smaller than the largest block of "
-                f"{store.spec} ({largest} bytes); raise {setting} to at least {largest}"
-                + (" or set it to 0 to disable L2" if setting == "host_bytes" else "")
-                + ", or rewrite the store with smaller chunks (write_store(chunk_bytes=...))"
-            )
-    return largest
-
-
-def _tensorstore_store(store: Any) -> bool:
-    """Whether ``store`` is a `TensorStoreStore` (without importing TensorStore to find out:
-    if the store module was never imported, no such store exists)."""
-    module = sys.modules.get("cacheflow_jax.store.tensorstore_store")
-    return module is not None and isinstance(store, module.TensorStoreStore)
 
