@@ -20,6 +20,11 @@ Design note.
   when the policy admits them) and placed into the gathered output on the device.
 * One table's lookups are meant for one serving thread; other threads may use the cache
   meanwhile (writes to the shared slab happen under the slab's lock).
+* A lookup runs outside ``jax.jit``: which rows are resident is decided on the host from the
+  ids' values, and the rows' storage (the slab) is replaced by every promotion, so it cannot be
+  a constant of a compiled step. A serving step is split there: ``rows = s.lookup(table, ids)``,
+  then ``step(params, rows)`` under ``jit``. Called with traced ids (or under a trace at all),
+  a lookup raises `TracedLookupError` before it changes anything, so the session keeps working.
 """
 
 from __future__ import annotations
@@ -39,6 +44,37 @@ from pallas_kernels import gather_lines, lfu_update, pack_lines
 
 # Counters are padded to a multiple of this, so the lfu_update kernel gets full blocks.
 COUNTER_BLOCK = 256
+
+TRACED_LOOKUP = (
+    "session.lookup({table!r}) was called under a JAX transformation (jax.jit, vmap, grad, a "
+    "scan body): {what}. A lookup decides on the host, from the ids' values, which rows come "
+    "from the device and which are fetched from L2/L3, so it cannot run inside a traced "
+    "function. Split the step there: call rows = s.lookup({table!r}, ids) outside the jitted "
+    'function and pass the rows in, as in step(params, rows) (docs/kernels.md, "Lookups and '
+    'jax.jit"). Nothing was changed: later lookups outside the trace work.'
+)
+
+
+class TracedLookupError(TypeError):
+    """`ServingSession.lookup` was called inside ``jax.jit`` (or another transformation).
+
+    The message says how to split the step; the session is left as it was.
+    """
+
+
+def check_not_traced(table: str, ids: Any) -> None:
+    """Raises `TracedLookupError` if ``ids`` is a tracer (a lookup under ``jit``/``vmap``).
+
+    Args:
+      table: the table's path, named in the message.
+      ids: the ids given to ``lookup``.
+
+    Raises:
+      TracedLookupError: ``ids`` is a ``jax.core.Tracer``.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        what = f"its ids are traced ({ids.aval.str_short()}): their values are not known"
+        raise TracedLookupError(TRACED_LOOKUP.format(table=table, what=what))
 
 
 def _bucket(n: int) -> int:
@@ -160,6 +196,12 @@ class EmbeddingRows:
                 + (f", {tier.line_bytes}-byte lines" if self.layout == "slab" else "")
                 + "); raise embedding_bytes"
             )
+        padded = -(-self.num_rows // COUNTER_BLOCK) * COUNTER_BLOCK
+        self.counters = jax.device_put(np.zeros(padded, np.float32), tier.device)
+        if isinstance(self.counters, jax.core.Tracer):  # concrete ids, but under a trace
+            raise TracedLookupError(
+                TRACED_LOOKUP.format(table=table, what="its first lookup ran inside a trace")
+            )
         cache.reserve_device(self._reserved)
         self._arrays: list[jax.Array | None] = []
         if self.layout == "slab":
@@ -174,8 +216,6 @@ class EmbeddingRows:
         else:
             self._arrays = [None] * self.capacity
             self._blank = jax.device_put(np.zeros(self.row_shape, self.dtype), tier.device)
-        padded = -(-self.num_rows // COUNTER_BLOCK) * COUNTER_BLOCK
-        self.counters = jax.device_put(np.zeros(padded, np.float32), tier.device)
         self._slot_of = np.full(self.num_rows, -1, np.int64)  # row -> slot (host mirror)
         self._row_at = np.full(self.capacity, -1, np.int64)  # slot -> row
         self._lookups = 0
@@ -218,19 +258,26 @@ class EmbeddingRows:
         Raises:
           IndexError: an id outside ``[0, num_rows)``, named with the table.
           ValueError: ``ids`` are not integers.
+          TracedLookupError: called under ``jax.jit`` or another transformation; nothing is
+            changed.
         """
         if self._closed:
             raise RuntimeError(f"lookup of {self.table!r} after its serving session ended")
         ids = ids if isinstance(ids, jax.Array) else jnp.asarray(ids)
+        check_not_traced(self.table, ids)  # a tracer given, or made by asarray under a trace
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"lookup of {self.table!r}: ids must be integers, not {ids.dtype}")
-        self.counters = lfu_update(self.counters, ids, decay=self.decay)
         flat = np.asarray(ids).reshape(-1)  # the one device-to-host copy of a lookup
         if flat.size and (flat.min() < 0 or flat.max() >= self.num_rows):
             bad = flat[(flat < 0) | (flat >= self.num_rows)][0]
             raise IndexError(
                 f"row id {int(bad)} is outside table {self.table!r} of {self.num_rows} rows"
             )
+        counters = lfu_update(self.counters, ids, decay=self.decay)
+        if isinstance(counters, jax.core.Tracer):  # concrete ids, but under a trace
+            what = "the ids are values, but the lookup ran inside a traced function"
+            raise TracedLookupError(TRACED_LOOKUP.format(table=self.table, what=what))
+        self.counters = counters
         slots = self._slot_of[flat]
         miss = np.nonzero(slots < 0)[0]
         size = _bucket(miss.size)
