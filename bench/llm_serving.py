@@ -112,8 +112,10 @@ def make_requests(ids: list[list[int]], cfg: DecoderConfig, outs: list[int]) -> 
 class Server:
     """The engine loop over one way (see the module docstring)."""
 
-    def __init__(self, engine: Engine, way: Way, *, chunk: int) -> None:
+    def __init__(self, engine: Engine, way: Way, *, chunk: int,
+                 max_inflight: int = MAX_INFLIGHT) -> None:  # fmt: skip
         self.engine, self.way, self.chunk = engine, way, chunk
+        self.max_inflight = max_inflight
         self.cfg = engine.cfg
 
     def _buffers(self, r: Request) -> None:
@@ -193,7 +195,7 @@ class Server:
                 r = pending.popleft()
                 queue.append(r)
                 self.way.queued(r.keys)
-            while queue and len(prefilling) + len(running) < MAX_INFLIGHT:
+            while queue and len(prefilling) + len(running) < self.max_inflight:
                 prefilling.append(queue.popleft())
             t0 = time.perf_counter()
 
@@ -340,6 +342,7 @@ def run_once(engine: Engine, warmup: list[Request], measured: list[Request],
                 "device_put_p95_us": percentile(way.device_put_seconds, 95, better="low") * 1e6
                 if way.device_put_seconds else 0.0,
                 "tokens_sha256": tokens,
+                "ttft_ms": ttft,  # each request's, for the CDFs of bench.scenarios
                 **way.stats(),
             }
             del way
