@@ -1,6 +1,7 @@
 """cacheflow-jax: a three-tier cache (device, host, TensorStore) for JAX inference data.
 
 Public surface (docs/design.md has the contracts): `open_store`, `write_store`, `TieredCache`,
+`trim_runtime` (the bound of a store shared by many processes, docs/scale.md),
 `serving`, the policies `lfu`, `lru`, `lfu_plain`, `cacheflow_jax.orbax.restore_lazy`,
 `cacheflow_jax.kv.prefix_keys` (KV block keys by prefix hash), and
 `cacheflow_jax.metrics` (the cache's counters in Prometheus text format). The command line is
@@ -15,6 +16,7 @@ from cacheflow_jax.core.blocks import (
     ArrayInfo,
     BlockInfo,
     BudgetError,
+    ConflictError,
     CorruptBlockError,
     DtypeError,
     Store,
@@ -40,6 +42,7 @@ _LAZY = {
     "TensorStoreStore": ("cacheflow_jax.store.tensorstore_store", "TensorStoreStore"),
     "open_store": ("cacheflow_jax.store.open", "open_store"),
     "write_store": ("cacheflow_jax.store.write", "write_store"),
+    "trim_runtime": ("cacheflow_jax.store.shared", "trim_runtime"),
 }
 
 
@@ -66,6 +69,7 @@ __all__ = [
     "BlockInfo",
     "BudgetError",
     "CacheConfig",
+    "ConflictError",
     "CorruptBlockError",
     "DtypeError",
     "Policy",
@@ -90,5 +94,6 @@ __all__ = [
     "prefix_keys",
     "restore_lazy",
     "serving",
+    "trim_runtime",
     "write_store",
 ]

@@ -20,7 +20,7 @@ from cacheflow_jax.cache.mover import HOST, Mover
 from cacheflow_jax.cache.pins import Pins
 from cacheflow_jax.cache.prefetch_driver import PrefetchDriver
 from cacheflow_jax.cache.replay_moves import SyncMoves
-from cacheflow_jax.cache.runtime import RuntimeBlocks
+from cacheflow_jax.cache.runtime import RuntimeBlocks, forget_runtime
 from cacheflow_jax.cache.staging import Staging
 from cacheflow_jax.cache.writeback import WriteBack
 from cacheflow_jax.core.blocks import BudgetError, Store
@@ -82,6 +82,7 @@ def assemble(
     writeback = WriteBack(
         store, lock, budget=config.writeback_budget(sum(t.budget for t in tiers)),
         resident=lambda key: mover.resident(key), to_host=to_host,
+        forget=lambda key: forget_runtime(mover, key),
     )  # fmt: skip
     mover = Mover(store, tiers, planner, counters, writeback, Pins(), lock=lock,
                   clock=config.clock, l3_timeout=config.l3_timeout,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax.cache.mover import DEVICE, Transit
-from cacheflow_jax.core.blocks import BlockInfo, BudgetError
+from cacheflow_jax.core.blocks import BlockInfo, BudgetError, CorruptBlockError
 from cacheflow_jax.core.pytree import flatten, is_tree, plain_leaves
 from cacheflow_jax.store.runtime_format import check_runtime_key, numeric
 from cacheflow_jax.tiers.memory import check_device_dtype
@@ -145,7 +145,11 @@ class RuntimeBlocks:
             return "moving"
         if key in mover.runtime or mover.store.holds(key):
             return "store"
-        return None
+        try:  # a key this process does not know: the store looks it up (another may have put it)
+            mover.store.info(key)
+        except (KeyError, CorruptBlockError):
+            return None
+        return "store"
 
     def cached_prefix(self, keys: Iterable[str]) -> int:
         """See `TieredCache.cached_prefix`."""
@@ -202,6 +206,16 @@ class RuntimeBlocks:
                 if nbytes is not None and key in mover.l1:
                     mover.planner.insert(DEVICE, key, now, nbytes)
             mover.notify_room()
+
+
+def forget_runtime(mover: Mover, key: str) -> None:
+    """Under the lock: forgets the cache's own copy of runtime block ``key`` (from every tier,
+    the write-back's parking and the runtime table), so that the next get reads what the store
+    holds. For a write-back a shared store refused (`ConflictError`)."""
+    mover.discard(key)
+    mover.runtime.pop(key, None)
+    mover.kinds.pop(key, None)
+    mover.volatile.discard(key)
 
 
 def as_block(key: str, value: Any) -> tuple[Any, BlockInfo]:

@@ -18,6 +18,11 @@ Design note.
   eviction only hands a value over.
 * The state is guarded by the cache's lock, which the tiers share, so that a block changes tier
   and dirtiness in one step. Nothing here waits while holding it.
+* In a shared store (``open_store(..., shared=True)``) a key is published once. A write-back
+  that finds other bytes published under its key fails with a `ConflictError`: the block is no
+  longer dirty (it is never retried), the cache drops its own copy (``forget``), so that it
+  serves the published bytes as every other process does, and ``flush`` (or
+  ``check_for_errors``) raises the error once.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from cacheflow_jax.core.blocks import StoreError
+from cacheflow_jax.core.blocks import ConflictError, StoreError
 from cacheflow_jax.core.pytree import leaves_of
 from cacheflow_jax.store.runtime_format import SUPERSEDED, Version, next_version
 
@@ -47,6 +52,8 @@ class WriteBack:
       budget: the most bytes of dirty blocks at once (``writeback_bytes``).
       resident: under the lock, the resident (L1/L2) value of a key, or None.
       to_host: turns a resident value into a numpy array (called on a background thread).
+      forget: under the lock, drops the cache's copy of a key whose write-back was refused
+        because the shared store holds other bytes under it (`ConflictError`).
     """
 
     def __init__(
@@ -57,8 +64,11 @@ class WriteBack:
         budget: int,
         resident: Callable[[str], Any],
         to_host: Callable[[Any], Any],
+        forget: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
+        self._forget = forget
+        self._conflicts: list[ConflictError] = []  # refused write-backs, raised once by flush
         self.budget = budget
         self.lock = lock
         self._resident = resident
@@ -72,7 +82,8 @@ class WriteBack:
         self._futures: dict[str, Future] = {}  # key -> its write's future (done when durable)
         self._errors: dict[str, BaseException] = {}  # key -> its last failed write
         self._written = threading.Condition(lock)  # notified whenever a write ends
-        self.counts = {"count": 0, "bytes": 0, "superseded": 0, "stalls": 0, "stall_seconds": 0.0}
+        self.counts = {"count": 0, "bytes": 0, "superseded": 0, "conflicts": 0, "stalls": 0,
+                       "stall_seconds": 0.0}  # fmt: skip
 
     # ---------------------------------------------------------------- under the cache lock
 
@@ -176,7 +187,10 @@ class WriteBack:
             self._writing.pop(key, None)
             self._futures.pop(key, None)
             self._written.notify_all()
-            if error is not None:
+            if isinstance(error, ConflictError):
+                self._refused(key, error)
+                todo = []
+            elif error is not None:
                 self._errors[key] = error  # the block stays in memory for a retry
                 todo = []
             else:
@@ -198,6 +212,17 @@ class WriteBack:
         else:
             future.set_result(outcome)
         self._submit(todo)
+
+    def _refused(self, key: str, error: ConflictError) -> None:
+        """Under the lock: the shared store holds other bytes under ``key``: ours are dropped
+        (never retried), so that the cache serves the published block."""
+        self.counts["conflicts"] += 1
+        self._conflicts.append(error)
+        self._errors.pop(key, None)
+        if key in self._dirty:
+            self._clean(key)
+        if self._forget is not None:
+            self._forget(key)
 
     def _clean(self, key: str) -> None:
         """Under the lock: ``key``'s latest version is durable."""
@@ -252,6 +277,8 @@ class WriteBack:
 
         Raises:
           StoreError: a write-back failed twice.
+          ConflictError: a shared store refused a write-back since this was last raised (the
+            key holds other bytes; the cache serves those now).
           TimeoutError: write-backs were still pending after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -262,6 +289,10 @@ class WriteBack:
             with self.lock:
                 left = [k for k, seq in target.items() if not self._reached(k, seq)]
                 if not left:
+                    if self._conflicts:
+                        conflict = self._conflicts[0]
+                        self._conflicts.clear()
+                        raise conflict
                     return
                 retry = [k for k in left if k not in self._errors or tries[k] < 2]
                 failed = [k for k in left if k not in retry]
@@ -303,7 +334,8 @@ class WriteBack:
     def check_for_errors(self) -> None:
         """Raises the first recorded write-back error, once."""
         with self.lock:
-            errors = list(self._errors.values())
+            errors = list(self._errors.values()) + self._conflicts
             self._errors.clear()
+            self._conflicts.clear()
         if errors:
             raise errors[0]

@@ -50,6 +50,19 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """An L3 operation did not finish within its deadline (the store may be unreachable)."""
 
 
+class ConflictError(StoreError):
+    """A shared store already holds other bytes under a runtime block's key.
+
+    Runtime blocks of a store opened with ``open_store(..., shared=True)`` are immutable: a key
+    names one value for every process (a KV block's key hashes its prefix, so its bytes follow
+    from the key). The first value published under a key stays; a write-back of different bytes
+    is refused with this error, and the writer's cache drops its own copy, so that every cache
+    serves the published bytes. It usually means two processes computed different values for
+    one key: put what the value depends on (the model, its version, the KV dtype) into the
+    key's salt (`cacheflow_jax.kv.prefix_keys`).
+    """
+
+
 class DtypeError(TypeError):
     """A block's dtype cannot be held exactly where it must go (JAX would change it silently)."""
 

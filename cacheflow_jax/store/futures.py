@@ -24,10 +24,11 @@ from cacheflow_jax.core.blocks import (
     StoreError,
     StoreTimeoutError,
 )
-from cacheflow_jax.core.pytree import tree_map
+from cacheflow_jax.core.pytree import block_info, tree_map
 from cacheflow_jax.store.runtime_format import decode_runtime
 
 if TYPE_CHECKING:
+    from cacheflow_jax.core.blocks import BlockInfo
     from cacheflow_jax.store.entry import Entry
 
 
@@ -226,17 +227,50 @@ class FastChunkFuture(StoreFuture):
 
 
 class RuntimeReadFuture(StoreFuture):
-    """A runtime-block read; ``result()`` decodes and checks the block file."""
+    """A runtime-block read; ``result()`` decodes and checks the block file.
 
-    __slots__ = ()
+    Args:
+      future: the kvstore read.
+      key, store, where: the block, its store and its file or object (for errors).
+      expect: the block's metadata as the store announced it: a block of another shape or
+        dtype is refused with ``changed(key, got, expect)``'s error.
+      changed: see ``expect``.
+      gone: the error of a block that is missing (default: a `StoreError`).
+    """
 
-    def _value(self, raw: Any, timeout: float | None) -> np.ndarray:
+    __slots__ = ("_expect", "_changed", "_gone")
+
+    def __init__(
+        self,
+        future: Any,
+        key: str,
+        store: str,
+        where: str,
+        *,
+        expect: BlockInfo | None = None,
+        changed: Callable[[str, BlockInfo, BlockInfo], BaseException] | None = None,
+        gone: Callable[[str], BaseException] | None = None,
+    ) -> None:
+        super().__init__(future, key, store, where)
+        self._expect = expect
+        self._changed = changed
+        self._gone = gone
+
+    def _value(self, raw: Any, timeout: float | None) -> Any:
         if raw.state != "value":
+            if self._gone is not None:
+                raise self._gone(self._key)
             raise StoreError(
                 f"runtime block {self._key!r} in store {self._store} is listed but its file "
                 f"{self._where} is missing; another process may have deleted it"
             )
-        return decode_runtime(raw.value, self._key, self._store, self._where)
+        value = decode_runtime(raw.value, self._key, self._store, self._where)
+        expect = self._expect
+        if expect is not None and self._changed is not None:
+            got = block_info(self._key, value)
+            if (got.shape, got.dtype, got.leaves) != (expect.shape, expect.dtype, expect.leaves):
+                raise self._changed(self._key, got, expect)
+        return value
 
 
 class WriteFuture(StoreFuture):

@@ -147,8 +147,11 @@ def resolve(
 
 
 def location(label: str, name: str) -> str:
-    """A readable location of kvstore key ``name`` under a store labelled ``label``."""
-    return f"file {label.rstrip('/')}/{name}"
+    """A readable location of kvstore key ``name`` under a store labelled ``label``: a file on
+    local disk, an object in an object store (or the memory kvstore)."""
+    scheme, sep, _ = label.partition("://")
+    kind = "object" if sep and scheme != "file" else "file"
+    return f"{kind} {label.rstrip('/')}/{name}"
 
 
 def list_keys(kv: ts.KvStore, label: str, deadline: Deadline | None = None) -> list[str]:

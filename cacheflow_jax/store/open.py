@@ -24,7 +24,7 @@ from cacheflow_jax.store.locations import (
     store_context,
 )
 from cacheflow_jax.store.orbax_source import OrbaxCheckpoint, manager_steps
-from cacheflow_jax.store.runtime_area import runtime_keys
+from cacheflow_jax.store.runtime_area import DEFAULT_LOOKUP_TTL, runtime_keys
 from cacheflow_jax.store.runtime_format import RUNTIME_PREFIX
 from cacheflow_jax.store.sources import HOW_TO_CREATE, Listing, OpenOptions, SourceRegistry
 from cacheflow_jax.store.subblocks import check_block_bytes
@@ -50,6 +50,8 @@ def open_store(
     block_bytes: int | None = None,
     runtime: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     manifest: bool = True,
+    shared: bool = False,
+    lookup_ttl: float = DEFAULT_LOOKUP_TTL,
 ) -> TensorStoreStore:
     """Opens an L3 store: a cacheflow zarr3 store or an orbax checkpoint, read in place.
 
@@ -80,6 +82,15 @@ def open_store(
       manifest: check every read of an orbax checkpoint against its chunk manifest, where
         ``cacheflow verify`` recorded one (see `cacheflow_jax.verify_checkpoint`); False ignores
         it (``cacheflow verify --update`` records a new one).
+      shared: the runtime blocks are written by many processes at once (serving processes, or
+        the processes of a ``jax.distributed`` job; docs/scale.md). Each block is then
+        immutable: published once with a create-if-absent write, so readers never see part of
+        one and two writers of one key never both succeed; a writer that finds the same value
+        published succeeds, and one that finds another value gets a `ConflictError`. For
+        content-addressed blocks such as KV blocks keyed by prefix hash.
+      lookup_ttl: a runtime key the store does not know is looked up in the store when asked
+        for (another process may have written it); a lookup that found nothing is remembered
+        this many seconds before the store is asked again.
 
     Returns:
       The opened store.
@@ -91,8 +102,8 @@ def open_store(
         or older than the checkpoint.
       StoreTimeoutError: the store did not answer within ``timeout`` (a `StoreError`).
       ValueError: an unsupported URL or spec, a bad ``timeout`` / ``retries`` /
-        ``block_bytes``, or ``step`` given for a location that is not a ``CheckpointManager``
-        root.
+        ``block_bytes`` / ``lookup_ttl``, or ``step`` given for a location that is not a
+        ``CheckpointManager`` root.
 
     >>> store = open_store("memory://demo/", create=True)
     >>> store.keys()
@@ -101,6 +112,8 @@ def open_store(
     if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
         raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0, or None")
     block_bytes = check_block_bytes(block_bytes)
+    if isinstance(lookup_ttl, bool) or not isinstance(lookup_ttl, int | float) or lookup_ttl < 0:
+        raise ValueError(f"lookup_ttl={lookup_ttl!r} must be a number of seconds >= 0")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
         raise ValueError(f"step={step!r} must be an integer step number, or None for the latest")
     options = OpenOptions(
@@ -113,6 +126,8 @@ def open_store(
         manifest=manifest,
         context=store_context(retries),
         deadline=Deadline(timeout),
+        shared=bool(shared),
+        lookup_ttl=float(lookup_ttl),
     )
     found = _list_location(spec_or_path, options)
     if step is not None and not manager_steps(found.keys):

@@ -206,6 +206,8 @@ class OrbaxCheckpoint(StoreSource):
             context,
             deadline,
             own=None,
+            shared=options.shared,
+            lookup_ttl=options.lookup_ttl,
         )
         return build_parts(
             found,

@@ -6,14 +6,31 @@ checkpoint is read-only: its runtime blocks go to a separate location, by defaul
 ``$XDG_CACHE_HOME/cacheflow_jax/runtime/<checkpoint name>-<digest of its location>/``
 (``~/.cache`` when ``XDG_CACHE_HOME`` is unset), or wherever ``open_store(runtime=...)`` says,
 so that serving a checkpoint never changes a byte of it. `open_area` opens the area of a store.
+
+A runtime key the area does not know yet (another process may have written it since the store
+was opened) is looked up in the store when asked for (`RuntimeArea.info`: one ranged read of
+its header); a lookup that finds nothing is remembered for ``lookup_ttl`` seconds, so a prefix
+lookup does not ask the store again for the same missing key at every step.
+
+An area opened with ``shared=True`` is written by many processes at once (docs/scale.md):
+
+* its blocks are immutable: a key is published once, with a create-if-absent write (on local
+  disk a hard link of a complete temporary file; on S3 a PUT with ``If-None-Match: *``), so a
+  reader sees the whole block or none, and two writers of one key never both succeed;
+* a writer that finds its key published already compares values: the same value (another
+  process put the same content-addressed block) is a success, another value a `ConflictError`;
+* a block that vanished (`cacheflow_jax.store.shared.trim_runtime`, an object-store lifecycle
+  rule) is a `KeyError` for its reader, like a key never written, not a damaged store.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import re
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +40,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from cacheflow_jax.core.blocks import BlockInfo, CorruptBlockError, StoreError
+from cacheflow_jax.core.blocks import (
+    KEY_SEPARATOR,
+    BlockInfo,
+    ConflictError,
+    CorruptBlockError,
+    StoreError,
+)
 from cacheflow_jax.core.pytree import block_info, leaves_of, tree_map
 from cacheflow_jax.store.futures import (
     Deadline,
@@ -45,11 +68,14 @@ from cacheflow_jax.store.runtime_format import (
     Version,
     atomic_write_file,
     check_runtime_key,
+    damaged,
     encode_runtime,
     numeric,
     parse_runtime_header,
+    publish_file,
     remove_stale_temporaries,
     runtime_name,
+    same_value,
     supersedes,
     writer,
 )
@@ -69,6 +95,24 @@ _PUBLISHED: dict[str, int] = {}
 # How many times a conditional write on an object store is retried when another writer changed
 # the object between the read of its header and the write (each retry reads the header again).
 _PUBLISH_RETRIES = 16
+
+# Lookups of unknown keys that found nothing are remembered (key -> when) for lookup_ttl seconds;
+# at most this many, the oldest forgotten first, so memory stays bounded.
+_MAX_MISSES = 65536
+DEFAULT_LOOKUP_TTL = 1.0
+
+
+def no_value_generation() -> bytes:
+    """TensorStore's storage generation of a key that holds no value: a write conditional on it
+    is a create-if-absent."""
+    global _NO_VALUE
+    if _NO_VALUE is None:
+        kv = ts.KvStore.open({"driver": "memory"}).result()
+        _NO_VALUE = kv.read("absent").result().stamp.generation
+    return _NO_VALUE
+
+
+_NO_VALUE: bytes | None = None
 
 
 def default_runtime_dir(label: str) -> Path:
@@ -108,6 +152,8 @@ class RuntimeArea:
         keys: Iterable[str],
         timeout: float | None,
         read_only: bool = False,
+        shared: bool = False,
+        lookup_ttl: float = DEFAULT_LOOKUP_TTL,
     ) -> None:
         """Use `open_area` instead of calling this.
 
@@ -118,12 +164,17 @@ class RuntimeArea:
           keys: the runtime keys found there on open (headers are read lazily).
           timeout: the deadline of each blocking call (header reads, write-backs).
           read_only: refuse writes.
+          shared: many processes write the area: blocks are published once and immutable.
+          lookup_ttl: seconds a lookup of an unknown key that found nothing is remembered.
         """
         self.kv = kvstore
         self.label = label
         self.root = root
         self._timeout = timeout
         self._read_only = read_only
+        self.shared = shared
+        self._lookup_ttl = lookup_ttl
+        self._misses: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.lock = threading.Lock()
         # key -> BlockInfo, or None until its header is read (blocks found by listing on open).
         self.table: dict[str, BlockInfo | None] = dict.fromkeys(keys)
@@ -134,6 +185,11 @@ class RuntimeArea:
     def __contains__(self, key: str) -> bool:
         return key in self.table
 
+    @property
+    def timeout(self) -> float | None:
+        """The deadline of each blocking call, in seconds (None: none)."""
+        return self._timeout
+
     def keys(self) -> tuple[str, ...]:
         """The runtime keys, in the order they were found or first written."""
         with self.lock:
@@ -142,23 +198,107 @@ class RuntimeArea:
     def info(self, key: str) -> BlockInfo | None:
         """The block's metadata, or None if there is no such runtime block.
 
+        A key the area does not know is looked up in the store (see the module docstring).
+
         Raises:
           CorruptBlockError: the block's header is damaged.
+          StoreError: the store could not be asked (StoreTimeoutError past the deadline).
         """
         with self.lock:
-            if key not in self.table:
-                return None
-            info = self.table[key]
+            known = key in self.table
+            info = self.table.get(key)
+        if not known:
+            return self._discover(key)
         return info if info is not None else self._load_info(key)
 
     def read(self, key: str) -> StoreFuture:
-        """Starts reading a runtime block known to the table."""
+        """Starts reading a runtime block known to the table.
+
+        Its ``result()`` checks the block against the table's metadata: a block replaced by
+        another of a different shape or dtype since its header was read is a `StoreError`
+        (the table reads the header again next time), never a block of an unexpected size. In a
+        shared area, a block that vanished is a `KeyError` and leaves the table.
+        """
         with self.lock:
             pending = self.pending.get(key)
+            expect = self.table.get(key)
         if pending is not None:
             return ReadyFuture(pending[1], copy=True)
         name = runtime_name(key)
-        return RuntimeReadFuture(self.kv.read(name), key, self.label, self.where(name))
+        return RuntimeReadFuture(
+            self.kv.read(name), key, self.label, self.where(name),
+            expect=expect, changed=self._changed, gone=self._gone if self.shared else None,
+        )  # fmt: skip
+
+    def forget(self, key: str) -> None:
+        """Drops ``key`` from the table (its block was removed from the store)."""
+        with self.lock:
+            if key in self.table:
+                del self.table[key]
+                self.version += 1
+
+    def _gone(self, key: str) -> KeyError:
+        """A shared block that vanished: the table forgets it; the error its reader gets."""
+        self.forget(key)
+        return KeyError(
+            f"runtime block {key!r} is no longer in shared store {self.label}: it was removed "
+            "(trim_runtime or a lifecycle rule) after it was found; compute it again and put it"
+        )
+
+    def _changed(self, key: str, got: BlockInfo, expected: BlockInfo) -> StoreError:
+        """A block whose stored shape or dtype is not the table's: the header is read again
+        next time; the error its reader gets."""
+        with self.lock:
+            if key in self.table and key not in self.pending:
+                self.table[key] = None
+        return StoreError(
+            f"runtime block {key!r} in store {self.label} was replaced by another process since "
+            f"its header was read (now {got.shape} {got.dtype}, was {expected.shape} "
+            f"{expected.dtype}); nothing was served. A store written by several processes "
+            "should be opened with open_store(..., shared=True), whose blocks are immutable"
+        )
+
+    def _discover(self, key: str) -> BlockInfo | None:
+        """Looks up a key the table does not know in the store (another process may have
+        written it); remembers what it found, and for ``lookup_ttl`` that it found nothing."""
+        if not key or KEY_SEPARATOR in key:
+            return None
+        now = time.monotonic()
+        with self.lock:
+            missed = self._misses.get(key)
+            if missed is not None and now - missed < self._lookup_ttl:
+                return None
+        try:
+            check_runtime_key(key, self.label)
+        except (TypeError, ValueError):
+            return None
+        name = runtime_name(key)
+        head = self._probe(name)
+        if head is None:
+            with self.lock:
+                self._misses[key] = now
+                self._misses.move_to_end(key)
+                while len(self._misses) > _MAX_MISSES:
+                    self._misses.popitem(last=False)
+            return None
+        header, _ = parse_runtime_header(head, key, self.label, self.where(name))
+        info = _info_of(key, header)
+        with self.lock:
+            self._misses.pop(key, None)
+            if key not in self.table:
+                self.table[key] = info
+                self.version += 1
+            return self.table[key] or info
+
+    def _probe(self, name: str) -> bytes | None:
+        """The header bytes of kvstore key ``name``, or None if there is no such block."""
+        if self.root is None:
+            return self._read_head(name, Deadline(self._timeout))[1]
+        try:
+            with open(os.path.join(self.root, name), "rb") as f:
+                return _local_head(f)
+        except FileNotFoundError:
+            return None
 
     def write(
         self, key: str, value: np.ndarray | jax.Array, *, version: Version | None = None
@@ -175,8 +315,12 @@ class RuntimeArea:
                 )
         info = block_info(key, arr)
         name = runtime_name(key)
-        data = encode_runtime(arr, version)
+        if self.shared:
+            data = encode_runtime(arr, published=time.time())
+        else:
+            data = encode_runtime(arr, version)
         with self.lock:
+            self._misses.pop(key, None)
             future = thread_pool("write", _WRITE_THREADS).submit(
                 self._write_sync, key, name, data, version
             )
@@ -213,6 +357,8 @@ class RuntimeArea:
         """
         deadline = Deadline(self._timeout)
         what = f"writing {self.where(name)}"
+        if self.shared:
+            return self._publish_once(key, name, data, deadline)
         if self.root is not None:
             path = os.path.join(self.root, name)
             with _PUBLISH_LOCKS[hash(path) % len(_PUBLISH_LOCKS)]:
@@ -251,7 +397,9 @@ class RuntimeArea:
             got = "nothing" if back is None else f"{len(back)} different bytes"
             raise StoreError(
                 f"{what}: the store acknowledged the write but reading it back gave {got} "
-                f"(expected {len(data)} bytes); the block stays in memory and is retried"
+                f"(expected {len(data)} bytes); the block stays in memory and is retried. If "
+                "another process writes this key too, open the store with "
+                "open_store(..., shared=True): its blocks are published once"
             )
         return WRITTEN
 
@@ -259,14 +407,73 @@ class RuntimeArea:
         """Whether the local file at ``path`` holds a later write of ``version``'s writer."""
         try:
             with open(path, "rb") as f:
-                head = f.read(RUNTIME_MIN_HEADER)
-                if len(head) >= 12:
-                    size = int.from_bytes(head[8:12], "little")
-                    if size > len(head):
-                        head += f.read(size - len(head))
+                head = _local_head(f)
         except FileNotFoundError:
             return False
         return self._header_supersedes(key, name, head, version)
+
+    def _publish_once(self, key: str, name: str, data: bytes, deadline: Deadline) -> str:
+        """Publishes a block of a shared area (see the module docstring); returns `WRITTEN`
+        once the store holds its value, published by this call or by another writer.
+
+        Raises:
+          ConflictError: the store holds another value under ``key``.
+          StoreError: the write or its read-back failed.
+        """
+        where = self.where(name)
+        for _ in range(_PUBLISH_RETRIES):
+            if self.root is not None:
+                path = os.path.join(self.root, name)
+                created = publish_file(path, data)
+                try:
+                    with open(path, "rb") as f:
+                        stored, generation = f.read(), b""
+                except FileNotFoundError:
+                    continue  # removed meanwhile (trimmed): publish again
+            else:
+                created = self._create(name, data, deadline)
+                res = wait_for(self.kv.read(name), deadline, f"reading back {where}")
+                if res.state != "value":
+                    continue
+                stored, generation = res.value, res.stamp.generation
+            if stored == data or same_value(stored, data):
+                return WRITTEN
+            if not damaged(stored):
+                raise ConflictError(
+                    f"runtime block {key!r} in shared store {self.label} ({where}) already "
+                    "holds other bytes"
+                    + (" (another writer replaced ours)" if created else "")
+                    + ": blocks of a shared store are immutable, so this write-back is refused "
+                    "and the cache serves the published block instead of its own. Two "
+                    "processes computed different values for one key: put what the value "
+                    "depends on into the key (the salt of prefix_keys)"
+                )
+            self._replace_damaged(name, data, generation, deadline)
+        raise StoreError(
+            f"publishing runtime block {key!r} to shared store {self.label} ({where}): the "
+            f"object kept changing under {_PUBLISH_RETRIES} tries; the block stays in memory "
+            "and is retried"
+        )
+
+    def _create(self, name: str, data: bytes, deadline: Deadline) -> bool:
+        """Writes kvstore key ``name`` only if it holds nothing; whether this write created it."""
+        stamp = wait_for(
+            self.kv.write(name, data, if_equal=no_value_generation()),
+            deadline,
+            f"writing {self.where(name)}",
+        )
+        return stamp.generation != b""
+
+    def _replace_damaged(self, name: str, data: bytes, generation: bytes, deadline: Deadline) -> None:
+        """Replaces a damaged block (it failed its checks: nobody serves it) with ``data``."""
+        if self.root is not None:
+            atomic_write_file(os.path.join(self.root, name), data)
+            return
+        wait_for(
+            self.kv.write(name, data, if_equal=generation),
+            deadline,
+            f"replacing the damaged {self.where(name)}",
+        )
 
     def _read_head(self, name: str, deadline: Deadline) -> tuple[bytes, bytes | None]:
         """The generation of kvstore key ``name`` and its block header (None: no such key)."""
@@ -295,8 +502,9 @@ class RuntimeArea:
             return False  # a damaged block is replaced
         return supersedes(header, version)
 
-    def _load_info(self, key: str) -> BlockInfo:
-        """Reads a listed runtime block's header (one ranged read) and remembers its info."""
+    def _load_info(self, key: str) -> BlockInfo | None:
+        """Reads a listed runtime block's header (one ranged read) and remembers its info
+        (None: a shared block that was removed)."""
         name = runtime_name(key)
         where = self.where(name)
         try:
@@ -305,6 +513,9 @@ class RuntimeArea:
             head = self.kv.read(name, byte_range=slice(0, RUNTIME_MIN_HEADER))
             res = wait_for(head, deadline, what)
             if res.state != "value":
+                if self.shared:  # removed from the shared store: as if never written
+                    self.forget(key)
+                    return None
                 raise StoreError(
                     f"runtime block {key!r} in store {self.label} is listed but its file "
                     f"{where} is missing; another process may have deleted it"
@@ -318,18 +529,33 @@ class RuntimeArea:
             raise
         except Exception as err:
             raise translate_error(err, key, self.label, where) from err
-        shape, dtype = header["shape"], header["dtype"]
-        info = BlockInfo(
-            key=key,
-            shape=shape,
-            dtype=dtype,
-            nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-            leaves=header.get("leaves", ()),
-        )
+        info = _info_of(key, header)
         with self.lock:
             if self.table.get(key, info) is None:
                 self.table[key] = info
             return self.table.get(key) or info
+
+
+def _info_of(key: str, header: dict) -> BlockInfo:
+    """A runtime block's `BlockInfo` from its parsed header."""
+    shape, dtype = header["shape"], header["dtype"]
+    return BlockInfo(
+        key=key,
+        shape=shape,
+        dtype=dtype,
+        nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+        leaves=header.get("leaves", ()),
+    )
+
+
+def _local_head(f: Any) -> bytes:
+    """The header bytes of an open local block file (all of it if shorter than a header)."""
+    head = f.read(RUNTIME_MIN_HEADER)
+    if len(head) >= 12:
+        size = int.from_bytes(head[8:12], "little")
+        if size > len(head):
+            head += f.read(size - len(head))
+    return head
 
 
 def runtime_keys(keys: Iterable[str]) -> list[str]:
@@ -355,22 +581,43 @@ def open_area(
     deadline: Deadline,
     *,
     own: tuple[ts.KvStore, str, str | None, list[str]] | None,
+    shared: bool = False,
+    lookup_ttl: float = DEFAULT_LOOKUP_TTL,
 ) -> RuntimeArea:
     """The runtime area of a store: ``runtime`` if given, else its own location (``own``), else
-    (a read-only checkpoint) the default one in the user's cache folder."""
+    (a read-only checkpoint) the default one in the user's cache folder. A ``shared`` area on
+    S3 writes with S3's own conditional requests (``If-None-Match``), which the server checks
+    atomically, instead of a read then a write."""
     timeout = deadline.seconds
+    settings = dict(timeout=timeout, shared=shared, lookup_ttl=lookup_ttl)
     if runtime is None and own is not None:
         kv, where, root, keys = own
         if root is not None:
             clean_local(root)
-        return RuntimeArea(kvstore=kv, label=where, root=root, keys=keys, timeout=timeout)
+        if shared:
+            kv = _conditional(kv.spec().to_json(), where, context, deadline) or kv
+        return RuntimeArea(kvstore=kv, label=where, root=root, keys=keys, **settings)
     if runtime is None:
         runtime = default_runtime_dir(label)
     rt_spec, rt_label, rt_local = resolve(runtime, s3_endpoint, s3_region)
-    rt_kv = open_kvstore(rt_spec, rt_label, context=context, deadline=deadline)
+    rt_kv = (shared and _conditional(rt_spec, rt_label, context, deadline)) or open_kvstore(
+        rt_spec, rt_label, context=context, deadline=deadline
+    )
     # A runtime location that does not exist yet lists nothing; it is made by the first write.
     keys = runtime_keys(list_keys(rt_kv, rt_label, deadline))
     root = str(rt_local) if rt_local is not None else None
     if root is not None:
         clean_local(root)
-    return RuntimeArea(kvstore=rt_kv, label=rt_label, root=root, keys=keys, timeout=timeout)
+    return RuntimeArea(kvstore=rt_kv, label=rt_label, root=root, keys=keys, **settings)
+
+
+def _conditional(
+    spec: dict[str, Any], label: str, context: ts.Context, deadline: Deadline
+) -> ts.KvStore | None:
+    """The S3 kvstore ``spec`` with conditional writes sent as S3 conditional requests (None
+    for other drivers, or where the spec chose already)."""
+    if spec.get("driver") != "s3" or "use_conditional_write" in spec:
+        return None
+    return open_kvstore(
+        {**spec, "use_conditional_write": True}, label, context=context, deadline=deadline
+    )

@@ -40,9 +40,14 @@ another, in the structure's order.
 The fixed minimum header lets a header be read with one ranged read; the CRC makes a damaged file
 an error instead of wrong data. ``writer`` (a process's random id) and ``seq`` (that process's
 write order, see `next_version`) let a store refuse to publish an older write of the same writer
-over a newer one (compare-and-publish); a block of another writer is replaced. Each file is written with a single kvstore write, which is atomic
-on the file driver (write to a temporary file, then rename) and on object stores, so a crash
-never leaves a half-written block that reads as valid.
+over a newer one (compare-and-publish); a block of another writer is replaced. Each file is
+written with a single kvstore write, which is atomic on the file driver (write to a temporary
+file, then rename) and on object stores, so a crash never leaves a half-written block that reads
+as valid.
+A block of a shared store (``open_store(..., shared=True)``) has no "writer" and "seq": it is
+published once and never replaced, so its order does not matter. It has "time" instead (Unix
+seconds when it was published), the order in which `cacheflow_jax.store.shared.trim_runtime`
+removes blocks.
 """
 _RUNTIME_MAGIC = b"CFJBLK1\n"
 RUNTIME_MIN_HEADER = 256
@@ -117,8 +122,16 @@ def _little(value: np.ndarray) -> bytes:
     return np.ascontiguousarray(value).tobytes()
 
 
-def encode_runtime(value: Any, version: Version | None = None) -> bytes:
-    """Serializes one runtime block, an array or a pytree of arrays (see ``_RUNTIME_FORMAT``)."""
+def encode_runtime(
+    value: Any, version: Version | None = None, *, published: float | None = None
+) -> bytes:
+    """Serializes one runtime block, an array or a pytree of arrays (see ``_RUNTIME_FORMAT``).
+
+    Args:
+      value: the block.
+      version: its writer and order (a store that is not shared), or None.
+      published: the Unix time of its publication (a shared store), or None.
+    """
     if is_tree(value):
         leaves, structure = flatten(value, "")
         arrays = [leaf for _, leaf in leaves]
@@ -136,6 +149,8 @@ def encode_runtime(value: Any, version: Version | None = None) -> bytes:
         }
     if version is not None:
         fields.update(writer=version.writer, seq=version.seq)
+    if published is not None:
+        fields["time"] = round(published, 3)
     header = json.dumps(fields).encode()
     size = max(RUNTIME_MIN_HEADER, -(-(12 + len(header) + 1) // 64) * 64)
     head = _RUNTIME_MAGIC + struct.pack("<I", size) + header
@@ -208,6 +223,36 @@ def decode_runtime(data: bytes, key: str, store: str, where: str) -> Any:
         ) from None
 
 
+# Header fields that say who wrote a block and when, not what it holds.
+_ORDER_FIELDS = ("writer", "seq", "time")
+
+
+def same_value(a: bytes, b: bytes) -> bool:
+    """Whether two runtime block files hold the same value: the same dtype, shape, structure
+    and payload bytes, whoever wrote them and when. A damaged file holds no value."""
+    try:
+        head_a, size_a = parse_runtime_header(a, "", "", "")
+        head_b, size_b = parse_runtime_header(b, "", "", "")
+    except CorruptBlockError:
+        return False
+    if not head_a or not head_b:
+        return False
+
+    def what(header: dict) -> dict:
+        return {k: v for k, v in header.items() if k not in _ORDER_FIELDS}
+
+    return what(head_a) == what(head_b) and a[size_a:] == b[size_b:]
+
+
+def damaged(data: bytes) -> bool:
+    """Whether a runtime block file fails its own checks (magic, header, size, CRC)."""
+    try:
+        decode_runtime(data, "", "", "")
+    except CorruptBlockError:
+        return True
+    return False
+
+
 # A runtime block's file name is its percent-encoded key plus ``.block``; file systems allow 255
 # bytes per name, so longer keys are refused at ``put`` instead of failing at every write-back.
 MAX_RUNTIME_NAME = 240
@@ -264,6 +309,44 @@ def atomic_write_file(path: str, data: bytes) -> None:
       OSError: the write failed (for example a full disk); the temporary file is removed.
     """
     parent = os.path.dirname(path)
+    tmp = _temporary(parent, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _sync_dir(parent)
+
+
+def publish_file(path: str, data: bytes) -> bool:
+    """Creates ``path`` holding ``data`` only if no file is there (create-if-absent), atomically.
+
+    The bytes go to a synced temporary file beside it, which is then hard-linked to ``path``:
+    the link either creates the whole file or fails because one exists, so a reader never sees
+    part of it and two writers never both succeed.
+
+    Returns:
+      True if this call created the file; False if a file was there already (left unchanged).
+
+    Raises:
+      OSError: the write failed (for example a full disk); the temporary file is removed.
+    """
+    parent = os.path.dirname(path)
+    tmp = _temporary(parent, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    _sync_dir(parent)
+    return True
+
+
+def _temporary(parent: str, data: bytes) -> str:
+    """A synced temporary file in ``parent`` (made if missing) holding ``data``; its path."""
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.getpid()}-", suffix=_TMP_SUFFIX)
     try:
@@ -274,11 +357,15 @@ def atomic_write_file(path: str, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
+
+
+def _sync_dir(parent: str) -> None:
+    """Syncs a directory, so that a rename or link in it survives a power loss."""
     dir_fd = os.open(parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -47,6 +47,8 @@ class OpenOptions:
     manifest: bool
     context: ts.Context
     deadline: Deadline
+    shared: bool = False
+    lookup_ttl: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,7 @@ from cacheflow_jax.store.tree import skeleton
 
 if TYPE_CHECKING:
     from cacheflow_jax.core.blocks import KeyKind
+    from cacheflow_jax.store.runtime_area import RuntimeArea
 
 __all__ = ["TensorStoreStore", "fit_blocks"]
 
@@ -129,9 +130,13 @@ class TensorStoreStore:
         Returns:
           The block's ``BlockInfo`` (shape clipped at the array edge, origin in elements).
 
+        A runtime key the store does not know yet is looked up in the store (another process
+        may have written it since the store was opened; see ``runtime_area``).
+
         Raises:
           KeyError: no such block in this store.
           CorruptBlockError: a runtime block's header is damaged.
+          StoreError: the store could not be asked.
         """
         entry = self._entries.get(key)
         if entry is not None:
@@ -142,8 +147,8 @@ class TensorStoreStore:
         return info
 
     def holds(self, key: str) -> bool:
-        """Whether there is a block ``key``: a chunk, or a runtime block listed on open or
-        written since (no I/O)."""
+        """Whether there is a block ``key``: a chunk, or a runtime block listed on open, found
+        since or written since (no I/O; `info` looks an unknown runtime key up in the store)."""
         return key in self._entries or key in self._rt
 
     def keys(self) -> Sequence[str]:
@@ -179,7 +184,7 @@ class TensorStoreStore:
         """
         entry = self._entries.get(key)
         if entry is None:
-            if key not in self._rt:
+            if key not in self._rt and self._rt.info(key) is None:
                 raise self._missing(key)
             return self._rt.read(key)
         return self._reads.read(entry)
@@ -201,7 +206,7 @@ class TensorStoreStore:
         entries = []
         for key in keys:
             entry = self._entries.get(key)
-            if entry is None and key not in self._rt:
+            if entry is None and key not in self._rt and self._rt.info(key) is None:
                 raise self._missing(key)
             entries.append(entry)
         shared = [e for e in entries if e is not None and e.chunk is not None and not e.partial]
@@ -255,6 +260,17 @@ class TensorStoreStore:
     def source(self) -> str:
         """What the store reads: ``"cacheflow"`` (zarr3 arrays) or ``"orbax"`` (a checkpoint)."""
         return self._parts.source
+
+    @property
+    def shared(self) -> bool:
+        """Whether many processes write the runtime blocks (``open_store(..., shared=True)``):
+        each block is published once and never replaced (see `ConflictError`)."""
+        return self._rt.shared
+
+    @property
+    def runtime_area(self) -> RuntimeArea:
+        """Where the runtime blocks live (their table, reads and writes)."""
+        return self._rt
 
     @property
     def runtime_spec(self) -> str:

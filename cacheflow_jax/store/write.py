@@ -91,7 +91,9 @@ def write_store(
     With ``overwrite=True`` only a cacheflow store (or an empty location) is replaced. A local
     store is written beside the old one and swapped in only when complete, so a failed write
     leaves the old store as it was; other locations are cleared first (after every leaf has
-    been checked).
+    been checked). Runtime blocks (``_runtime/``, KV blocks other processes may be serving)
+    are kept either way: only the arrays are replaced. To publish new weights while processes
+    still serve the old ones, write them to a new location instead (docs/scale.md).
 
     Args:
       tree: nested dicts/lists/tuples of numpy or JAX arrays (or numbers).
@@ -140,7 +142,7 @@ def write_store(
         if local is not None:
             local.mkdir(parents=True, exist_ok=True)
         if existing:
-            wait_all([kv.delete_range(ts.KvStore.KeyRange())], f"clearing {label}")
+            _clear_data(kv, label)
         _write_arrays(kv, kv_spec, label, leaves, int(chunk_bytes))
     return open_store(path, s3_endpoint=s3_endpoint, s3_region=s3_region)
 
@@ -187,10 +189,19 @@ def _check_replaceable(kv: ts.KvStore, label: str, keys: Sequence[str]) -> None:
         )
 
 
+def _clear_data(kv: ts.KvStore, label: str) -> None:
+    """Deletes every key under ``kv`` but the runtime blocks' (``_runtime/``)."""
+    prefix = RUNTIME_PREFIX.encode()
+    after = prefix[:-1] + bytes([prefix[-1] + 1])  # the first key past the prefix
+    ranges = [ts.KvStore.KeyRange(b"", prefix), ts.KvStore.KeyRange(after, b"")]
+    wait_all([kv.delete_range(r) for r in ranges], f"clearing the arrays of {label}")
+
+
 def _write_local_swap(
     leaves: dict[str, tuple[np.ndarray, list[list]]], local: Path, chunk_bytes: int
 ) -> None:
-    """Writes a new store beside ``local`` and swaps it in once complete."""
+    """Writes a new store beside ``local`` and swaps it in once complete; the runtime blocks
+    move into the new store (blocks published during the swap are moved after it)."""
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     stage = local.parent / f".{local.name}.cacheflow-new-{tag}"
     old = local.parent / f".{local.name}.cacheflow-old-{tag}"
@@ -201,9 +212,23 @@ def _write_local_swap(
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    runtime = RUNTIME_PREFIX.rstrip("/")
+    if (local / runtime).is_dir():
+        os.rename(local / runtime, stage / runtime)
     os.rename(local, old)
     os.rename(stage, local)
+    _move_blocks(old / runtime, local / runtime)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _move_blocks(src: Path, dst: Path) -> None:
+    """Moves the block files of ``src`` that ``dst`` lacks into it (temporaries are left)."""
+    if not src.is_dir():
+        return
+    dst.mkdir(exist_ok=True)
+    for path in src.iterdir():
+        if not path.name.startswith(".") and not (dst / path.name).exists():
+            os.rename(path, dst / path.name)
 
 
 def _write_arrays(

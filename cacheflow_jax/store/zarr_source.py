@@ -91,6 +91,8 @@ def _own_area(found: Listing, options: OpenOptions) -> RuntimeArea:
         options.context,
         options.deadline,
         own=found.own_runtime(),
+        shared=options.shared,
+        lookup_ttl=options.lookup_ttl,
     )
 
 
