@@ -45,6 +45,13 @@ import numpy as np
 
 from cacheflow_jax.cache.tiered import TieredCache
 from cacheflow_jax.core.blocks import ArrayInfo, StoreError, block_key
+from cacheflow_jax.orbax.indexing import (
+    chunks_touched,
+    cut_selection,
+    join_blocks,
+    normalize_index,
+)
+from cacheflow_jax.orbax.sharded import check_sharding, materialize_sharded
 from cacheflow_jax.orbax.trees import (
     check_same_checkpoint,
     label,
@@ -65,11 +72,6 @@ _NOT_AN_ARRAY = (
     "materialize(subtree) for a layer's arrays with one get_many, or leaf[...] for a slice"
 )
 
-_UNSUPPORTED_INDEX = (
-    "LazyArray {path!r} supports basic indexing only (ints, slices, '...'), got {index!r}; "
-    "for other indexing, index the materialized array: np.asarray(leaf)[...] or "
-    "materialize(leaf)[...]"
-)
 
 
 class LazyArray:
@@ -80,17 +82,22 @@ class LazyArray:
     Args:
       cache: the cache that serves the blocks (its store holds the array).
       info: the stored array's metadata (``cache.store.arrays()[path]``).
+      sharding: where `materialize` puts the array (a target leaf's sharding in
+        `restore_lazy`); None: the cache's L1 device.
 
     >>> tree = restore_lazy(step_dir, device_bytes=1 << 30, host_bytes=1 << 30)  # doctest: +SKIP
     >>> w = tree["layers"]["0"]["w"]  # doctest: +SKIP
     >>> w.shape, w.keys[:1], w[0, :4]  # doctest: +SKIP
     """
 
-    __slots__ = ("_cache", "_info", "_keys")
+    __slots__ = ("_cache", "_info", "_keys", "_sharding")
 
-    def __init__(self, cache: TieredCache, info: ArrayInfo) -> None:
+    def __init__(
+        self, cache: TieredCache, info: ArrayInfo, *, sharding: jax.sharding.Sharding | None = None
+    ) -> None:
         self._cache = cache
         self._info = info
+        self._sharding = None if sharding is None else check_sharding(sharding, info.shape, info.path)
         self._keys = tuple(block_key(info.path, idx) for idx in np.ndindex(*info.grid_shape))
 
     # ---- metadata (no I/O)
@@ -147,8 +154,16 @@ class LazyArray:
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """Where the array lands once fetched: the cache's L1 device (a single device)."""
+        """Where `materialize` puts the array: the target's sharding it was restored with, else
+        the cache's L1 device (a single device)."""
+        if self._sharding is not None:
+            return self._sharding
         return jax.sharding.SingleDeviceSharding(self._cache.device)
+
+    @property
+    def target_sharding(self) -> jax.sharding.Sharding | None:
+        """The sharding of the target leaf it was restored into (None: none was given)."""
+        return self._sharding
 
     def shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
         """The array's ``jax.ShapeDtypeStruct`` (shape, dtype, sharding), e.g. for ``jax.eval_shape``."""
@@ -213,19 +228,20 @@ class LazyArray:
           IndexError: an index is out of bounds, or there are too many indices.
           TypeError: advanced indexing (arrays, booleans, ``None``); see the message.
         """
-        sel = _normalize_index(index, self.shape, self.path)
-        needed = [_chunks_touched(s, c) for s, c in zip(sel, self.block_shape)]
+        sel = normalize_index(index, self.shape, self.path)
+        needed = [chunks_touched(s, c) for s, c in zip(sel, self.block_shape)]
         out_shape = tuple(len(s) for s in sel if isinstance(s, range))
         if any(not n for n in needed):
             return jnp.zeros(out_shape, self.dtype)
         grid_index = list(np.ndindex(*(len(n) for n in needed)))
         keys = [block_key(self.path, tuple(n[i] for n, i in zip(needed, g))) for g in grid_index]
         blocks = self._cache.get_many(keys)
-        joined = _join(dict(zip(grid_index, blocks)), tuple(len(n) for n in needed))
-        return _cut(joined, sel, needed, self.block_shape, self.shape)
+        joined = join_blocks(dict(zip(grid_index, blocks)), tuple(len(n) for n in needed))
+        return cut_selection(joined, sel, needed, self.block_shape, self.shape)
 
     def value(self) -> jax.Array:
-        """Returns the whole array on the device (all blocks with one ``get_many``)."""
+        """Returns the whole array on the cache's device (all blocks with one ``get_many``;
+        `materialize` applies the leaf's sharding)."""
         return _assemble(self, self._cache.get_many(self._keys))
 
     def assemble(self, blocks: Sequence[jax.Array]) -> jax.Array:
@@ -423,7 +439,10 @@ def restore_lazy(
       target: an abstract tree to restore into, as orbax's ``StandardRestore(target)`` takes:
         its leaves (``jax.ShapeDtypeStruct``, arrays, or an ``nnx.State`` of them) are matched to
         the checkpoint's arrays by key path (a trailing ``value`` of an NNX variable is optional)
-        and must have their shapes and dtypes; the result has the target's structure.
+        and must have their shapes and dtypes; the result has the target's structure. A leaf's
+        ``sharding`` (a ``jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec))``) is
+        kept: `materialize` returns a global array with it, and in a ``jax.distributed`` job
+        each process reads only the blocks of its addressable shards (docs/scale.md).
       block_bytes: the new cache's block size (see `TieredCache`); default 1/8 of
         ``device_bytes``, so a chunk larger than that (orbax writes one per array) is served as
         sub-blocks.
@@ -479,55 +498,118 @@ def restore_lazy(
         )
     value_types = store.value_types()
 
-    def leaf(array_path: str) -> Any:
+    def leaf(array_path: str, want: Any = None) -> Any:
         info = arrays[array_path]
         if value_types.get(array_path) == "scalar":
             return store.read(block_key(array_path, (0,) * len(info.shape))).result().item()
-        return LazyArray(cache, info)
+        sharding = getattr(want, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            sharding = None
+        return LazyArray(cache, info, sharding=sharding)
 
     if target is not None:
         return restore_into(target, store, leaf)
     return map_skeleton(store.tree(), leaf)
 
 
-def materialize(tree: Any, *, batch_bytes: int | None = None) -> Any:
+def materialize(
+    tree: Any, *, batch_bytes: int | None = None, sharding: Any = None
+) -> Any:
     """Reads every `LazyArray` leaf of ``tree`` through its cache into a device array.
 
     Each leaf's blocks are fetched with a single ``get_many`` (several small leaves share one,
     up to ``batch_bytes``), so all of a leaf's L3 reads are issued at once; the leaf is then
     assembled on the device (see the module note). Other leaves are returned as they are.
 
+    A leaf with a sharding (``sharding=``, or the target's it was restored with) becomes a
+    global ``jax.Array`` with that sharding, as orbax restores it: this process reads only the
+    blocks of its addressable shards (`cacheflow_jax.orbax.sharded`), so each process of a
+    ``jax.distributed`` job reads its share of the checkpoint, not all of it.
+
     Args:
       tree: a pytree, typically from `restore_lazy`; may also be a single `LazyArray`.
       batch_bytes: the most bytes one ``get_many`` asks for (a larger leaf gets its own call).
         Default: the cache's device budget, so a batch does not evict itself from L1.
+      sharding: where to put the leaves: a ``jax.sharding.Sharding`` for every leaf, or a
+        pytree of shardings (or None) with ``tree``'s structure, such as
+        ``jax.tree.map(lambda x: x.sharding, target)``. Default: each leaf's own
+        (`LazyArray.target_sharding`), else the cache's L1 device.
 
     Returns:
       The same pytree with every `LazyArray` replaced by a ``jax.Array`` bitwise equal to what
       orbax restores (with JAX's default 32-bit mode, 64-bit leaves are canonicalized to 32 bits,
       as ``jax.device_put`` does).
+
+    Raises:
+      TypeError: ``sharding`` is neither a sharding nor a tree of them.
+      ValueError: ``sharding`` does not have ``tree``'s structure, or cannot hold a leaf.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    lazy = [(i, x) for i, x in enumerate(leaves) if isinstance(x, LazyArray)]
+    shardings = _shardings(tree, leaves, treedef, sharding)
     out = list(leaves)
     by_cache: dict[int, list[tuple[int, LazyArray]]] = {}
-    for i, x in lazy:
-        by_cache.setdefault(id(x.cache), []).append((i, x))
+    sharded: dict[int, list[tuple[int, LazyArray, jax.sharding.Sharding]]] = {}
+    for i, x in enumerate(leaves):
+        if not isinstance(x, LazyArray):
+            continue
+        target = shardings[i] if shardings[i] is not None else x.target_sharding
+        if target is None:
+            by_cache.setdefault(id(x.cache), []).append((i, x))
+        else:
+            target = check_sharding(target, x.shape, x.path)
+            sharded.setdefault(id(x.cache), []).append((i, x, target))
     for group in by_cache.values():
         cache = group[0][1].cache
-        limit = batch_bytes
-        if limit is None:
-            limit = int(cache.stats()["tiers"].get("device", {}).get("budget", 0))
+        limit = _batch_limit(cache, batch_bytes)
         for batch in _batches(group, limit):
             keys = [k for _, x in batch for k in x.keys]
             blocks = iter(cache.get_many(keys))
             for i, x in batch:
                 out[i] = _assemble(x, [next(blocks) for _ in x.keys])
+    for items in sharded.values():
+        cache = items[0][1].cache
+        for i, value in materialize_sharded(items, cache, _batch_limit(cache, batch_bytes)).items():
+            out[i] = value
     return jax.tree.unflatten(treedef, out)
 
 
 # --------------------------------------------------------------------------------------------
 # Internals
+
+
+def _batch_limit(cache: TieredCache, batch_bytes: int | None) -> int:
+    """``batch_bytes``, by default the cache's device budget."""
+    if batch_bytes is not None:
+        return batch_bytes
+    return int(cache.stats()["tiers"].get("device", {}).get("budget", 0))
+
+
+def _shardings(tree: Any, leaves: list[Any], treedef: Any, sharding: Any) -> list[Any]:
+    """`materialize`'s ``sharding`` argument as one sharding (or None) per leaf of ``tree``."""
+    if sharding is None:
+        return [None] * len(leaves)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return [sharding] * len(leaves)
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, jax.sharding.Sharding)
+
+    flat, shape = jax.tree.flatten(sharding, is_leaf=is_leaf)
+    if shape.num_leaves != treedef.num_leaves:
+        try:  # the same structure, with None where a leaf needs no sharding
+            flat = treedef.flatten_up_to(sharding)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                f"sharding= must be a jax.sharding.Sharding or a tree with the structure of "
+                f"the tree to materialize ({treedef}); got {shape}: {err}"
+            ) from None
+    for s in flat:
+        if not is_leaf(s):
+            raise TypeError(
+                f"sharding= holds a {type(s).__name__}; its leaves must be "
+                "jax.sharding.Sharding objects (or None)"
+            )
+    return list(flat)
 
 
 def _batches(
@@ -552,95 +634,4 @@ def _assemble(leaf: LazyArray, blocks: Sequence[jax.Array]) -> jax.Array:
     grid = leaf.grid_shape
     if len(blocks) == 1:
         return blocks[0]
-    return _join(dict(zip(np.ndindex(*grid), blocks)), grid)
-
-
-def _join(cells: dict[tuple[int, ...], jax.Array], grid: tuple[int, ...]) -> jax.Array:
-    """Concatenates a grid of device blocks: the last axis first, one concatenate per row."""
-    for axis in reversed(range(len(grid))):
-        if grid[axis] == 1:
-            cells = {idx[:-1]: v for idx, v in cells.items()}
-        else:
-            rows: dict[tuple[int, ...], list[jax.Array]] = {}
-            for idx in sorted(cells):
-                rows.setdefault(idx[:-1], []).append(cells[idx])
-            cells = {k: jnp.concatenate(v, axis=axis) for k, v in rows.items()}
-    return cells[()]
-
-
-def _normalize_index(index: Any, shape: tuple[int, ...], path: str) -> list[int | range]:
-    """Turns a basic index into one int or range of element positions per dimension."""
-    items = index if isinstance(index, tuple) else (index,)
-    ellipses = [i for i, x in enumerate(items) if x is Ellipsis]
-    if len(ellipses) > 1:
-        raise IndexError(f"an index can only have a single ellipsis ('...'), got {index!r}")
-    if ellipses:
-        at = ellipses[0]
-        fill = len(shape) - (len(items) - 1)
-        items = items[:at] + (slice(None),) * max(fill, 0) + items[at + 1 :]
-    if len(items) > len(shape):
-        raise IndexError(
-            f"too many indices for LazyArray {path!r}: it is {len(shape)}-dimensional, but "
-            f"{len(items)} were indexed"
-        )
-    items = items + (slice(None),) * (len(shape) - len(items))
-    out: list[int | range] = []
-    for axis, (item, n) in enumerate(zip(items, shape)):
-        if isinstance(item, int | np.integer) and not isinstance(item, bool | np.bool_):
-            j = int(item) + (n if item < 0 else 0)
-            if not 0 <= j < n:
-                raise IndexError(
-                    f"index {item} is out of bounds for axis {axis} with size {n} of LazyArray "
-                    f"{path!r}"
-                )
-            out.append(j)
-        elif isinstance(item, slice):
-            out.append(range(*item.indices(n)))
-        else:
-            raise TypeError(_UNSUPPORTED_INDEX.format(path=path, index=index))
-    return out
-
-
-def _chunks_touched(sel: int | range, chunk: int) -> list[int]:
-    """The sorted chunk indices along one axis that hold selected elements."""
-    if isinstance(sel, int):
-        return [sel // chunk]
-    if not sel:
-        return []
-    lo, hi = min(sel[0], sel[-1]), max(sel[0], sel[-1])
-    if abs(sel.step) < chunk:
-        # Consecutive picks are less than a chunk apart, so every chunk in between is touched.
-        return list(range(lo // chunk, hi // chunk + 1))
-    return sorted({p // chunk for p in sel})
-
-
-def _cut(
-    joined: jax.Array,
-    sel: Sequence[int | range],
-    needed: Sequence[list[int]],
-    chunk_shape: tuple[int, ...],
-    shape: tuple[int, ...],
-) -> jax.Array:
-    """Cuts the selection out of the joined blocks (the touched chunks, packed together)."""
-    out = joined
-    # Highest axis first, so that dropping an int-indexed axis does not renumber the rest.
-    for axis in reversed(range(len(sel))):
-        c, n, s = chunk_shape[axis], shape[axis], sel[axis]
-        starts: dict[int, int] = {}
-        pos = 0
-        for k in needed[axis]:
-            starts[k] = pos
-            pos += min(c, n - k * c)
-
-        def packed(p: int, c: int = c, starts: dict[int, int] = starts) -> int:
-            return starts[p // c] + p % c
-
-        if isinstance(s, int):
-            out = jax.lax.index_in_dim(out, packed(s), axis=axis, keepdims=False)
-        elif s.step == 1:
-            lo, hi = packed(s[0]), packed(s[-1]) + 1
-            if (lo, hi) != (0, out.shape[axis]):
-                out = jax.lax.slice_in_dim(out, lo, hi, axis=axis)
-        else:
-            out = jnp.take(out, np.array([packed(p) for p in s], np.int32), axis=axis)
-    return out
+    return join_blocks(dict(zip(np.ndindex(*grid), blocks)), grid)

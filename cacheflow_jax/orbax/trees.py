@@ -29,7 +29,8 @@ def key_name(k: Any) -> str:
 
 
 def restore_into(target: Any, store: TensorStoreStore, leaf: Any) -> Any:
-    """The checkpoint's leaves in ``target``'s structure (orbax's ``StandardRestore(target)``).
+    """The checkpoint's leaves in ``target``'s structure (orbax's ``StandardRestore(target)``):
+    ``leaf(array path, target leaf)`` for each.
 
     Raises:
       ValueError: a target leaf has no array in the checkpoint, or another shape or dtype.
@@ -56,7 +57,7 @@ def restore_into(target: Any, store: TensorStoreStore, leaf: Any) -> Any:
             wrong.append(
                 f"{path}: target {tuple(shape or ())} {dtype}, stored {info.shape} {info.dtype}"
             )
-        out.append(leaf(path))
+        out.append(leaf(path, want))
     if missing or wrong:
         raise ValueError(
             f"target does not match checkpoint {store.spec}: "

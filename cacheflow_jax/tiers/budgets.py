@@ -25,8 +25,9 @@ DEFAULT_HOST_BYTES = 4 << 30
 
 
 def default_device_bytes(device: jax.Device | None = None) -> int:
-    """The default L1 budget for ``device`` (the default device if None); see the module note."""
-    device = device if device is not None else jax.devices()[0]
+    """The default L1 budget for ``device`` (this process's first local device if None); see the
+    module note."""
+    device = device if device is not None else jax.local_devices()[0]
     try:
         stats = device.memory_stats()
     except Exception:  # some backends raise instead of returning None

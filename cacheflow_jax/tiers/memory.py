@@ -117,7 +117,7 @@ class DeviceTier(AbstractTier):
         import jax
 
         super().__init__(budget, setting="device_bytes")
-        self.device = device if device is not None else jax.devices()[0]
+        self.device = device if device is not None else jax.local_devices()[0]
         self.sharding = jax.sharding.SingleDeviceSharding(self.device)
         self.host_memory = self.device.platform == "cpu"
 

@@ -233,7 +233,8 @@ class SlabTier(AbstractTier):
     Args:
       budget: ``device_bytes``.
       line_bytes: bytes per line; see `default_line_bytes`.
-      device: the device; the default device if omitted.
+      device: the device; this process's first local device if omitted (`jax.local_devices()`:
+        in a `jax.distributed` job, `jax.devices()[0]` is process 0's).
       implementation: ``"auto"`` (Pallas kernels on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Raises:
@@ -258,7 +259,7 @@ class SlabTier(AbstractTier):
             or (line_bytes <= 0)
         ):
             raise BudgetError(f"line_bytes={line_bytes!r} must be a positive integer")
-        self.device = device if device is not None else jax.devices()[0]
+        self.device = device if device is not None else jax.local_devices()[0]
         self.sharding = jax.sharding.SingleDeviceSharding(self.device)
         self.host_memory = self.device.platform == "cpu"
         self.line_bytes = int(line_bytes)
