@@ -24,6 +24,9 @@ It writes ``policies.md`` (the summary, then a table per trace), ``policies.json
 * the five worst points.
 
 ``--quick`` (for CI, about a minute on 2 cores) runs the five shortest LIRS traces only.
+``--spread`` adds the miss-ratio curve at unit steps around each point (`bench.policy_spread`):
+the spread over 9 adjacent capacities and the hits lost by one more block, with the curve of the
+worst point plotted.
 ``--set NAME=VALUE`` overrides a module constant of the default policy in the workers (for
 example ``--set HISTORY=4``): the constant sweeps in docs/policies.md were made this way.
 ``--synthetic`` adds the textbook patterns of `bench.synthetic`; ``--demo`` adds an access log
@@ -43,67 +46,18 @@ from concurrent.futures import ProcessPoolExecutor
 from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import parse_size, read_trace
 
-DEFAULT = "lfu"
-OURS = [DEFAULT, "lru", "belady"]
-PEERS = ["LRU", "ARC", "LIRS", "S3FIFO", "Sieve", "WTinyLFU", "LFU"]
-# Smallest cache (objects, or bytes for sized traces) each libCacheSim peer accepts: below it
-# the library aborts the process (S3-FIFO: a small queue of 10% rounds to 0; W-TinyLFU: an
-# empty SLRU segment).
-PEER_MIN_SIZE = {"S3FIFO": 10, "WTinyLFU": 5}
-GAP_MIN = 0.001  # LRU - Belady below this: the gap-closed ratio would be noise
-
-
-def shared_traces_dir() -> str:
-    """The trace folder: ``$CACHEFLOW_TRACES``, else the project's own ``data/traces``.
-
-    Raises:
-      FileNotFoundError: neither exists (the message says where it looked).
-    """
-    env = os.environ.get("CACHEFLOW_TRACES")
-    if env:
-        return env
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces")
-    if os.path.isdir(here):
-        return here
-    raise FileNotFoundError(
-        f"no trace folder: {here} is missing (it ships with the project); set "
-        "CACHEFLOW_TRACES=DIR or pass --traces"
-    )
-
-
-def shared_traces() -> list[str]:
-    """Every shared trace with keys, sorted by name (the Azure files list no keys)."""
-    folder = shared_traces_dir()
-    names = [
-        n for n in sorted(os.listdir(folder))
-        if not n.startswith("AzureLLM") and not n.endswith(".md")
-    ]
-    return [os.path.join(folder, n) for n in names]
-
-
-QUICK = ["lirs_backf.txt.gz", "lirs_cpp.txt.gz", "lirs_cs.txt.gz", "lirs_gli.txt.gz",
-         "lirs_ps.txt.gz"]
-
-
-def peer_miss_ratio(trace, name: str, size: int) -> float | None:
-    """The request miss ratio of libCacheSim's ``name`` on ``trace`` with ``size`` bytes (None
-    where the peer cannot run at that size, see PEER_MIN_SIZE)."""
-    if size < PEER_MIN_SIZE.get(name, 0):
-        return None
-    import libcachesim as lcs
-
-    cache = getattr(lcs, name)(cache_size=size)
-    ids: dict[str, int] = {}
-    sizes = trace.sizes()
-    misses = 0
-    get = cache.get
-    request = lcs.Request
-    for i, key in enumerate(trace.keys):
-        obj = ids.setdefault(key, len(ids))
-        if not get(request(obj_id=obj, obj_size=sizes[key], clock_time=i)):
-            misses += 1
-    return misses / len(trace.keys)
-
+from bench import policy_spread
+from bench.peers import (  # noqa: F401  (re-exported: other benchmarks import them here)
+    DEFAULT,
+    GAP_MIN,
+    OURS,
+    PEER_MIN_SIZE,
+    PEERS,
+    QUICK,
+    peer_miss_ratio,
+    shared_traces,
+    shared_traces_dir,
+)
 
 _TRACE = None
 
@@ -368,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demo", action="store_true", help="add the demo's access log")
     parser.add_argument("--reuse", metavar="JSON",
                         help="take every policy but the default from this earlier policies.json")
+    parser.add_argument("--spread", action="store_true",
+                        help="also replay lfu, lru, ARC and S3-FIFO at the 9 capacities around "
+                             "each point (bench.policy_spread; about 4x the time)")  # fmt: skip
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
     os.makedirs(args.out, exist_ok=True)
@@ -400,14 +357,25 @@ def main(argv: list[str] | None = None) -> int:
         f"workers (load average {os.getloadavg()[0]:.1f}). Object miss ratios, one tier."
         + (f" Constants set: {settings}." if settings else "") + "\n\n"
     )
-    text = header + format_summary(s) + "\n\n" + markdown(results, sizes)
+    text = header + format_summary(s)
+    spread = None
+    if args.spread:
+        found = policy_spread.run(traces, sizes, workers=args.workers,
+                                  policies=[DEFAULT, "lru"], peers=["ARC", "S3FIFO"])  # fmt: skip
+        table = policy_spread.rows(found)
+        spread = {"summary": policy_spread.summary(table), "rows": table,
+                  "plot": policy_spread.plot_worst(found, table, args.out)}  # fmt: skip
+        text += "\n\n" + policy_spread.format_summary(spread["summary"])
+    text += "\n\n" + markdown(results, sizes)
     with open(os.path.join(args.out, "policies.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "policies.json"), "w") as f:
         json.dump({"summary": s, "points": rows, "results": results, "settings": settings,
-                   "elapsed_s": elapsed}, f, indent=1)
+                   "elapsed_s": elapsed, "spread": spread}, f, indent=1)
     files = plot(results, sizes, args.out)
     print(header + format_summary(s))
+    if spread is not None:
+        print("\n" + policy_spread.format_summary(spread["summary"]))
     print(f"\nwrote {os.path.join(args.out, 'policies.md')} and {len(files)} miss-ratio curves")
     return 0
 
