@@ -1,8 +1,9 @@
 """Replay speed: ``cacheflow replay`` with the default policy, as a whole process, against
 libCacheSim's Python binding running LRU over the same trace in a plain Python loop.
 
-Run: ``python -m bench.replay_speed [--trace PATH] [--size 10%] [--runs 5] [--policy lfu]``
-(or ``cacheflow bench replay_speed``).
+Run: ``python -m bench.replay_speed [--trace PATH | --large] [--size 10%] [--runs 5]
+[--policy lfu]`` (or ``cacheflow bench replay_speed``). ``--large`` generates (once) and replays
+a trace of 1M accesses over about 217k keys, where the per-access cost of a large key space shows.
 
 Each run, in this order, in fresh processes:
 
@@ -102,7 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="lfu")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
+    parser.add_argument("--large", action="store_true",
+                        help="replay a generated trace of 1M accesses over ~217k keys (a Zipf "
+                             "with a shifting hot set, bench.synthetic.write_large) instead")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.large:
+        from bench.synthetic import write_large
+
+        args.trace = write_large(os.path.join(args.out, "synthetic"))
     trace = args.trace or os.path.join(shared_traces_dir(), "mooncake_synthetic_trace.jsonl")
     os.makedirs(args.out, exist_ok=True)
     runs, loads = [], []

@@ -78,6 +78,29 @@ def recency(seed: int = 4) -> list[int]:
 PATTERNS = {"zipf": zipf, "phases": phases, "scan_hot": scan_hot, "loop": loop, "recency": recency}
 
 
+def shifting_zipf(accesses: int = 1_000_000, keys: int = 250_000, seed: int = 5) -> list[int]:
+    """A large key space for replay speed: Zipf(0.9) draws over ``keys`` ranks whose hot set
+    shifts ten times (each tenth of the trace rotates the rank -> key map by ``keys // 10``), so
+    most keys are seen and counts must fade."""
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, keys + 1) ** 0.9
+    ranks = rng.choice(keys, accesses, p=w / w.sum())
+    phase = np.arange(accesses) * 10 // accesses
+    return ((ranks + phase * (keys // 10)) % keys).tolist()
+
+
+def write_large(out_dir: str, accesses: int = 1_000_000, keys: int = 250_000) -> str:
+    """Writes ``large_zipf_<accesses>_<keys>.txt`` (once; `shifting_zipf`); returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.abspath(os.path.join(out_dir, f"large_zipf_{accesses}_{keys}.txt"))
+    if not os.path.exists(path):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(f"k{k}" for k in shifting_zipf(accesses, keys)) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
 def write_all(out_dir: str) -> list[str]:
     """Writes ``synthetic_<name>.txt`` for every pattern (once); returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
