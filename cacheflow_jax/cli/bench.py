@@ -11,7 +11,7 @@ from cacheflow_jax.cli.common import USER_ERROR
 BENCHMARKS = (
     "hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
     "embedding", "gpu_kernels", "stats_speed", "subblocks", "soak", "replay_speed", "prefetchers",
-    "foresight", "llm_serving", "embedding_model", "multimodal", "scenarios",
+    "foresight", "llm_serving", "embedding_model", "multimodal", "scenarios", "scale",
 )
 
 
