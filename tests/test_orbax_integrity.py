@@ -55,8 +55,9 @@ def _data_file(step_dir: Path) -> Path:
 def _cache(path: Path, **kw: Any) -> cfj.TieredCache:
     nbytes = TREE["embed"].nbytes
     return cfj.TieredCache(
-        cfj.open_store(path, **kw), device_bytes=nbytes // 8, host_bytes=nbytes // 4
-    )
+        cfj.open_store(path, **kw), device_bytes=nbytes // 8, host_bytes=nbytes // 4,
+        block_bytes=nbytes // 64,
+    )  # fmt: skip
 
 
 def test_verify_records_a_manifest_beside_the_checkpoint_and_then_checks_it(
@@ -93,7 +94,10 @@ def test_with_a_manifest_flipped_bytes_raise_corrupt_block_naming_the_key(
     data = bytearray(data_file.read_bytes())
     data[len(data) // 2] ^= 0x04
     data_file.write_bytes(bytes(data))
-    tree = restore_lazy(root, device_bytes=TREE["embed"].nbytes // 8, host_bytes=1 << 20)
+    nbytes = TREE["embed"].nbytes
+    tree = restore_lazy(
+        root, device_bytes=nbytes // 8, host_bytes=1 << 20, block_bytes=nbytes // 64
+    )
     with pytest.raises(cfj.CorruptBlockError, match=r"'embed@\d+,0'") as err:
         materialize(tree["embed"])
     assert "embed" in str(err.value) and str(root / "1") in str(err.value)

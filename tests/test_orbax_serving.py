@@ -100,7 +100,11 @@ def reference(saved: dict[str, Any]) -> Any:
 
 def _lazy(saved: dict[str, Any]) -> Any:
     total = saved["total"]
-    return restore_lazy(saved["root"], device_bytes=total // 8, host_bytes=total // 4)
+    # Blocks of an eighth of L1: the big leaves are served as sub-blocks (block_bytes is chosen
+    # on purpose; the default blocks of 4 MiB would not fit an L1 this small).
+    return restore_lazy(
+        saved["root"], device_bytes=total // 8, host_bytes=total // 4, block_bytes=total // 64
+    )
 
 
 def test_the_model_is_what_the_issue_asks_for(saved: dict[str, Any]) -> None:
@@ -206,17 +210,18 @@ def test_lazy_leaves_say_what_they_are_and_what_to_call(saved: dict[str, Any]) -
 def test_target_and_step_as_orbax_takes_them(saved: dict[str, Any], reference: Any) -> None:
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(rngs=nnx.Rngs(0))))
     total = saved["total"]
-    tree = restore_lazy(saved["root"], target=abstract, device_bytes=total // 8, host_bytes=total)
+    small = {"device_bytes": total // 8, "host_bytes": total, "block_bytes": total // 64}
+    tree = restore_lazy(saved["root"], target=abstract, **small)
     assert isinstance(tree, nnx.State)
     model = nnx.merge(
         nnx.graphdef(nnx.eval_shape(lambda: Transformer(rngs=nnx.Rngs(0)))), materialize(tree)
     )
     np.testing.assert_array_equal(_bits(model.head.kernel[...]), _bits(reference["head"]["kernel"]))
-    older = restore_lazy(saved["root"], step=1, device_bytes=total // 8, host_bytes=total)
+    older = restore_lazy(saved["root"], step=1, **small)
     assert not np.asarray(materialize(older["head"]["kernel"])).any()
     bad = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), abstract)
     with pytest.raises(ValueError, match="dtype"):
-        restore_lazy(saved["root"], target=bad, device_bytes=total // 8, host_bytes=total)
+        restore_lazy(saved["root"], target=bad, **small)
     with pytest.raises(cfj.StoreError, match=r"no step 7; its steps are \[1, 2\]"):
         restore_lazy(saved["root"], step=7, device_bytes=total, host_bytes=total)
 
@@ -262,7 +267,10 @@ def test_row_lookups_from_a_one_chunk_table_8x_the_device_budget(saved: dict[str
     device_bytes = table.nbytes // 8
     store = cfj.open_store(saved["root"])
     assert store.arrays()["embed/embedding"].chunk_shape == table.shape  # one chunk
-    cache = cfj.TieredCache(store, device_bytes=device_bytes, host_bytes=table.nbytes // 4)
+    cache = cfj.TieredCache(
+        store, device_bytes=device_bytes, host_bytes=table.nbytes // 4,
+        block_bytes=device_bytes // 8,
+    )  # fmt: skip
     rng = np.random.default_rng(3)
     with cfj.serving(cache, embedding_bytes=device_bytes // 2) as session:
         for _ in range(12):
@@ -285,8 +293,8 @@ def test_the_cache_serves_sub_blocks_only_where_chunks_exceed_the_block_size(
     store = cfj.open_store(saved["root"])
     total = saved["total"]
     big = cfj.TieredCache(store, device_bytes=total * 8, host_bytes=0)
-    assert big.store is store  # every chunk fits 1/8 of L1: blocks are the stored chunks
-    small = cfj.TieredCache(store, device_bytes=total // 8, host_bytes=0)
+    assert big.store is store  # every chunk fits the default 4 MiB: blocks are the chunks
+    small = cfj.TieredCache(store, device_bytes=total // 8, host_bytes=0, block_bytes=total // 64)
     assert small.store is not store and small.store.block_bytes == total // 64
     emb = small.store.arrays()["embed/embedding"]
     assert emb.stored_chunk_shape == (VOCAB, DIM)

@@ -16,7 +16,7 @@ import pytest
 import tensorstore as ts
 
 import cacheflow_jax as cfj
-from cacheflow_jax.store.subblocks import sub_block_shape
+from cacheflow_jax.store.subblocks import DEFAULT_BLOCK_BYTES, sub_block_shape
 
 ROWS, COLS = 256, 64  # a 64 KiB float32 table
 TABLE = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
@@ -224,9 +224,25 @@ def test_concurrent_sub_block_reads_are_right_and_within_budget(tmp_path: Path) 
     assert stats["chunk_reads"] <= stats["blocks_served"]
 
 
-def test_the_default_block_size_needs_no_setting(tmp_path: Path) -> None:
+def test_the_default_blocks_do_not_follow_the_budget(tmp_path: Path) -> None:
+    """A store whose chunks nobody chose gets blocks of at most 4 MiB, whatever the budget."""
+    big = np.arange(5000 * 256, dtype=np.float32).reshape(5000, 256)  # 5,120,000 bytes
+    store = cfj.open_store(_zarr3(tmp_path / "s", "raw", big))
+    assert store.block_bytes == DEFAULT_BLOCK_BYTES == 4 << 20
+    assert store.arrays()["table"].chunk_shape == (4096, 256)  # 4 MiB of rows
+    for device_bytes in (4 << 20, 16 << 20, 1 << 30):
+        cache = cfj.TieredCache(store, device_bytes=device_bytes, host_bytes=0)
+        assert cache.store is store
+        np.testing.assert_array_equal(np.asarray(cache.get("table@1,0")), big[4096:])
+
+
+def test_a_budget_below_the_largest_block_names_block_bytes(tmp_path: Path) -> None:
     store = cfj.open_store(_zarr3(tmp_path / "s", "raw"))
-    cache = cfj.TieredCache(store, device_bytes=TABLE.nbytes // 4, host_bytes=0)
-    assert cache.store.block_bytes == TABLE.nbytes // 32
+    with pytest.raises(cfj.BudgetError, match=r"device_bytes=16384 is smaller than block "
+                       r"'table@0,0' \(65536 bytes\).*block_bytes=2048") as err:
+        cfj.TieredCache(store, device_bytes=TABLE.nbytes // 4, host_bytes=0)
+    assert "do not shrink with the budget" in str(err.value)
+    # The fix the message names works, and its keys are the ones that block size gives.
+    cache = cfj.TieredCache(store, device_bytes=TABLE.nbytes // 4, host_bytes=0, block_bytes=2048)
+    assert cache.store.arrays()["table"].chunk_shape == (8, COLS)
     np.testing.assert_array_equal(np.asarray(cache.get("table@31,0")), TABLE[-8:])
-    assert os.path.isdir(tmp_path / "s")

@@ -53,10 +53,12 @@ class CacheConfig:
         `cacheflow_jax.tiers.slab.default_line_bytes`).
       block_bytes: the largest block (a `TensorStoreStore` only): a stored chunk larger than
         this is served as sub-blocks along its leading axis, and ``cache.store`` is then a view
-        of the store with those blocks (`TensorStoreStore.with_block_bytes`). Default:
-        ``device_bytes // 8`` for stores whose chunks their writer did not choose for caching
-        (orbax checkpoints, other zarr3 stores); a store from ``write_store`` keeps its
-        ``chunk_bytes`` blocks.
+        of the store with those blocks (`TensorStoreStore.with_block_bytes`). Default: the
+        store's own blocks, never a share of a budget, so that a key names the same data at
+        every budget: at most 4 MiB for stores whose chunks their writer did not choose for
+        caching (orbax checkpoints, other zarr3 stores), ``chunk_bytes`` for a store from
+        ``write_store``. A ``device_bytes`` smaller than the largest block is a `BudgetError`
+        that names a ``block_bytes`` that fits.
 
     Raises (at construction):
       BudgetError: ``writeback_bytes`` is not a non-negative integer.

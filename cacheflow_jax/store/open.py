@@ -27,7 +27,7 @@ from cacheflow_jax.store.orbax_source import OrbaxCheckpoint, manager_steps
 from cacheflow_jax.store.runtime_area import DEFAULT_LOOKUP_TTL, runtime_keys
 from cacheflow_jax.store.runtime_format import RUNTIME_PREFIX
 from cacheflow_jax.store.sources import HOW_TO_CREATE, Listing, OpenOptions, SourceRegistry
-from cacheflow_jax.store.subblocks import check_block_bytes
+from cacheflow_jax.store.subblocks import DEFAULT_BLOCK_BYTES, check_block_bytes
 from cacheflow_jax.store.tensorstore_store import TensorStoreStore
 from cacheflow_jax.store.zarr_source import CacheflowStore, EmptyLocation
 
@@ -73,8 +73,11 @@ def open_store(
         dead server.
       step: the step to open from a ``CheckpointManager`` root (default: the latest).
       block_bytes: serve stored chunks larger than this many bytes as sub-blocks along their
-        leading axis (see `TensorStoreStore.with_block_bytes`); None (the default) serves
-        chunks whole. `TieredCache` chooses a block size itself (``block_bytes=``).
+        leading axis (see `TensorStoreStore.with_block_bytes`). None (the default): a store
+        whose chunks nobody chose for caching (an orbax checkpoint, a zarr3 store written by
+        another tool) gets blocks of at most `DEFAULT_BLOCK_BYTES` (4 MiB), and a store from
+        `write_store` serves its chunks whole. Keys follow the array's metadata and this size
+        only, never a cache's budget; give the same ``block_bytes`` wherever the keys are used.
       runtime: where runtime blocks (``write``) go: a path, URL or kvstore spec. Default: the
         store itself for a cacheflow store; for an orbax checkpoint, which is never written,
         ``$XDG_CACHE_HOME/cacheflow_jax/runtime/<name>-<digest>/`` (``~/.cache`` by default;
@@ -142,7 +145,10 @@ def open_store(
             f"checkpoint (no _METADATA or manifest.ocdbt); it holds {len(found.keys)} other "
             f"files, e.g. {found.keys[:3]}. {HOW_TO_CREATE}"
         )
-    return TensorStoreStore(source.open(found, options), block_bytes=block_bytes)
+    parts = source.open(found, options)
+    if block_bytes is None and not parts.writer_chose_chunks:
+        block_bytes = DEFAULT_BLOCK_BYTES
+    return TensorStoreStore(parts, block_bytes=block_bytes)
 
 
 def _list_location(

@@ -1,13 +1,15 @@
 """Sub-blocks: a stored chunk larger than the block size is served as runs of its leading rows.
 
 Design note. Orbax writes one chunk per array by default, so an embedding table or an LM head is
-one chunk, larger than a device budget can hold. A store opened with ``block_bytes`` lays a
-finer, regular block grid over such an array. Within one stored chunk a block is
-``(1, ..., 1, r, full, ..., full)``: ``r`` rows along the first axis that does not fit whole
-(the leading axis for a table or a head), the same rule as `chunk_shape_for`. Where an array has
-several stored chunks along an axis, ``r`` divides the chunk there, so no block straddles two
-chunks. Keys keep the form ``"<array path>@<i,j,...>"``, with the index in the block grid, and a
-block's `BlockInfo` origin and shape say exactly which elements it holds.
+one chunk, larger than a device budget can hold. A store lays a finer, regular block grid over such
+an array: blocks of at most ``block_bytes``, `DEFAULT_BLOCK_BYTES` (4 MiB) unless given. The grid
+follows from the array's shape, dtype and stored chunk shape and from that block size only, never
+from a cache's budget, so a key names the same elements whatever the budget. Within one stored
+chunk a block is ``(1, ..., 1, r, full, ..., full)``: ``r`` rows along the first axis that does not
+fit whole (the leading axis for a table or a head), the same rule as `chunk_shape_for`. Where an
+array has several stored chunks along an axis, ``r`` divides the chunk there, so no block straddles
+two chunks. Keys keep the form ``"<array path>@<i,j,...>"``, with the index in the block grid, and
+a block's `BlockInfo` origin and shape say exactly which elements it holds.
 
 A sub-block is read in one of two ways:
 
@@ -38,6 +40,12 @@ from cacheflow_jax.core.blocks import StoreError
 from cacheflow_jax.store.entry import Entry
 from cacheflow_jax.store.fastread import FAST_DTYPES, zarr3_chunk_name, zarr3_codec
 from cacheflow_jax.store.futures import EntryReader, StoreFuture, translate_error
+
+# The block size of a store whose chunks nobody chose for caching (an orbax checkpoint, a zarr3
+# store written by another tool): write_store's default chunk size. It is a constant, never a
+# budget, so that a key names the same elements at every budget (docs/orbax.md, "Blocks and
+# keys"); ``block_bytes=`` chooses another grid on purpose.
+DEFAULT_BLOCK_BYTES = 4 * 2**20
 
 # A sibling listener gets the sub-blocks of a whole-chunk read that nobody asked for, as
 # read-only views of the chunk (copy what you keep), and returns the keys it kept.

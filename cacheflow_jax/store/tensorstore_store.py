@@ -1,11 +1,13 @@
 """The L3 store: TensorStore arrays (zarr3 stores and orbax checkpoints) read block by block.
 
 Design note. A block is one stored chunk of one array, or, for a chunk larger than the store's
-``block_bytes``, a run of its leading rows (a sub-block, see ``subblocks``). The store is opened
-once: it lists the arrays, opens every array handle concurrently and builds a
-``key -> entry`` table (info, handle, slices, chunk file), so ``info`` is a dict lookup and
-``read`` is one indexing of an open handle plus ``.read()``. Nothing is cached here: L2 is the
-host cache, so TensorStore's ``cache_pool`` is set to 0 bytes (see ``locations.CONTEXT_SPEC``).
+``block_bytes``, a run of its leading rows (a sub-block, see ``subblocks``). The block grid depends
+on the stored array and the block size only (4 MiB unless chosen, for stores whose chunks nobody
+chose for caching), never on a cache's budget, so one key names one thing. The store is opened
+once: it lists the arrays, opens every array handle concurrently and builds a ``key -> entry``
+table (info, handle, slices, chunk file), so ``info`` is a dict lookup and ``read`` is one indexing
+of an open handle plus ``.read()``. Nothing is cached here: L2 is the host cache, so TensorStore's
+``cache_pool`` is set to 0 bytes (see ``locations.CONTEXT_SPEC``).
 
 The store is split by concern (modules of ``cacheflow_jax.store``):
 
@@ -25,7 +27,7 @@ The store is split by concern (modules of ``cacheflow_jax.store``):
   ``CheckpointManager`` steps);
 * ``open``: `open_store`; ``write``: `write_store` and `chunk_shape_for`;
 * ``verify``: ``cacheflow verify``, a checkpoint's chunk manifest;
-* this module: the store itself (`TensorStoreStore`) and `fit_blocks`.
+* this module: the store itself (`TensorStoreStore`), `fit_blocks` and `largest_block`.
 
 What :func:`open_store` understands:
 
@@ -56,7 +58,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from cacheflow_jax.core.blocks import KEY_SEPARATOR, ArrayInfo, BlockInfo
+from cacheflow_jax.core.blocks import KEY_SEPARATOR, ArrayInfo, BlockInfo, BudgetError, block_key
 from cacheflow_jax.store.futures import Deadline, StoreFuture, WriteFuture
 from cacheflow_jax.store.orbax_source import checkpoint_fingerprint
 from cacheflow_jax.store.parts import StoreParts
@@ -70,7 +72,7 @@ if TYPE_CHECKING:
     from cacheflow_jax.core.blocks import KeyKind
     from cacheflow_jax.store.runtime_area import RuntimeArea
 
-__all__ = ["TensorStoreStore", "fit_blocks"]
+__all__ = ["TensorStoreStore", "fit_blocks", "largest_block"]
 
 _HOW_TO_LIST = "list the store's keys with store.keys() or `cacheflow inspect <store>`"
 
@@ -430,20 +432,41 @@ class TensorStoreStore:
         return KeyError(f"no block {key!r} in store {self._label}{hint}; {_HOW_TO_LIST}")
 
 
-# The default block size of a cache over a store whose chunks nobody chose for caching (an orbax
-# checkpoint): this fraction of the L1 budget, so that L1 holds at least this many blocks.
-DEFAULT_BLOCKS_PER_L1 = 8
+def largest_block(store: Any) -> tuple[str, int] | None:
+    """The key and size in bytes of the largest block of ``store``'s arrays (None without one).
+
+    The first block of an array is a full block (only blocks at the far edges are clipped), so
+    it is the array's largest.
+    """
+    best: tuple[str, int] | None = None
+    for a in store.arrays().values():
+        n = math.prod(min(c, s) for c, s in zip(a.chunk_shape, a.shape)) * a.dtype.itemsize
+        if best is None or n > best[1]:
+            best = (block_key(a.path, (0,) * len(a.shape)), n)
+    return best
 
 
 def fit_blocks(store: Any, device_bytes: Any, block_bytes: int | None) -> Any:
     """The store a `TieredCache` with L1 budget ``device_bytes`` serves (see its ``block_bytes``).
 
-    Returns ``store`` itself unless a chunk is larger than the block size, else its view with
-    sub-blocks (`TensorStoreStore.with_block_bytes`).
+    The blocks never follow the budget: a key names the same elements at every budget. The
+    store's own blocks are kept (for an orbax checkpoint, at most `DEFAULT_BLOCK_BYTES`; see
+    `open_store`) unless ``block_bytes`` asks for others.
+
+    Args:
+      store: the cache's store.
+      device_bytes: the cache's L1 budget, as given.
+      block_bytes: the block size asked for (None: the store's own).
+
+    Returns:
+      ``store`` itself, or its view with blocks of at most ``block_bytes``
+      (`TensorStoreStore.with_block_bytes`).
 
     Raises:
       ValueError: ``block_bytes`` is not a positive integer, or is given for a store that is
         not a `TensorStoreStore`.
+      BudgetError: ``device_bytes`` is smaller than the largest block; the message names the
+        block and a ``block_bytes`` that fits.
     """
     block_bytes = check_block_bytes(block_bytes)
     if not isinstance(store, TensorStoreStore):
@@ -453,22 +476,41 @@ def fit_blocks(store: Any, device_bytes: Any, block_bytes: int | None) -> Any:
                 f"{type(store).__name__} {store.spec} cannot cut its blocks"
             )
         return store
-    if block_bytes is None:
-        if store.block_bytes is not None or store.writer_chose_chunks:
-            return store
-        if isinstance(device_bytes, bool) or not isinstance(device_bytes, int | np.integer):
-            return store  # the cache reports the bad budget
-        if device_bytes < DEFAULT_BLOCKS_PER_L1:
-            return store
-        block_bytes = int(device_bytes) // DEFAULT_BLOCKS_PER_L1
-    largest = max(
-        (
-            math.prod(min(c, n) for c, n in zip(a.stored_chunks, a.shape)) * a.dtype.itemsize
-            for a in store.arrays().values()
-            if a.shape
-        ),
-        default=0,
+    if block_bytes is not None and block_bytes != store.block_bytes:
+        whole = all(a.chunk_shape == a.stored_chunks for a in store.arrays().values())
+        largest = max(
+            (
+                math.prod(min(c, n) for c, n in zip(a.stored_chunks, a.shape)) * a.dtype.itemsize
+                for a in store.arrays().values()
+                if a.shape
+            ),
+            default=0,
+        )
+        if not (whole and largest <= block_bytes):
+            store = store.with_block_bytes(block_bytes)
+    _check_device_budget(store, device_bytes, block_bytes)
+    return store
+
+
+def _check_device_budget(store: TensorStoreStore, device_bytes: Any, asked: int | None) -> None:
+    """Raises `BudgetError` where L1 cannot hold the store's largest block."""
+    if isinstance(device_bytes, bool) or not isinstance(device_bytes, int | np.integer):
+        return  # the cache's own check reports a budget that is not a number
+    found = largest_block(store)
+    if found is None or device_bytes <= 0 or found[1] <= device_bytes:
+        return
+    key, nbytes = found
+    fit = 1 << max(0, (int(device_bytes) // 8).bit_length() - 1)
+    given = f"block_bytes={asked}" if asked is not None else (
+        f"its default blocks (at most {store.block_bytes} bytes)"
+        if store.block_bytes is not None and not store.writer_chose_chunks
+        else "its stored chunks (write_store's chunk_bytes)"
     )
-    if largest <= block_bytes and store.block_bytes is None:
-        return store
-    return store.with_block_bytes(block_bytes)
+    raise BudgetError(
+        f"device_bytes={device_bytes} is smaller than block {key!r} ({nbytes} bytes) of "
+        f"{store.spec}, served with {given}. Blocks do not shrink with the budget, so that a "
+        f"key names the same data at every budget: raise device_bytes to at least {nbytes}, "
+        f"or choose smaller blocks with block_bytes= (e.g. block_bytes={fit}, an eighth of L1; "
+        "TieredCache, restore_lazy and open_store take it, and keys then follow that block "
+        "size: use the same value wherever you use the keys)"
+    )
