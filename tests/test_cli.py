@@ -142,7 +142,14 @@ def test_demo_end_to_end_small(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert lines[1].split() == ["name", "L1", "hit", "to", "L3", "pf", "acc", "pf", "cov",
                                 "p50", "ms", "p95", "ms", "p95/base", "p95/resident"]  # fmt: skip
     assert [line.split()[0] for line in lines[3:8]] == DEMO_ROWS
-    assert lines[8].startswith("latency CDF: ") and lines[8].endswith("latency_cdf.png")
+    # A legend says what each short column title means (issue 30).
+    legend = lines[8]
+    for title in ("L1 hit:", "to L3:", "pf acc:", "pf cov:", "p95/base, p95/resident:"):
+        assert title in legend, title
+    assert lines[9].startswith("latency CDF: ") and lines[9].endswith("latency_cdf.png")
+    # It says where it writes and how much, and how to choose the place.
+    said = next(line for line in err.splitlines() if "writes under" in line)
+    assert str(tmp_path / "w") in said and "--workdir" in said and "iB in all" in said
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from cacheflow_jax.cache.advice import inflight_advice, smallest_block
 from cacheflow_jax.cache.mover import DEVICE, HOST, Transit
+from cacheflow_jax.core.log import logger
 from cacheflow_jax.prefetch.scheduler import PrefetchScheduler, PrefetchSettings, PrefetchWorker
 from cacheflow_jax.tiers.memory import MetadataTier, narrowed
 
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 
 class PrefetchDriver:
     """Runs a predictor's guesses through the cache (see the module docstring).
+
+    Logs a warning (logger ``cacheflow_jax``) where ``settings.inflight_bytes`` is below every
+    block of the store: such a prefetcher can issue nothing.
 
     Args:
       mover: the cache's mover.
@@ -50,6 +55,10 @@ class PrefetchDriver:
         self.demand = demand
         self.settings = settings
         self.limit = settings.inflight_bytes or max(largest, mover.tiers[DEVICE].budget // 4)
+        store = mover.store
+        text = inflight_advice(settings.inflight_bytes, smallest_block(store), store.spec)
+        if text is not None:
+            logger.warning("%s", text)
         self.inflight_bytes = 0  # bytes of prefetch loads issued and not installed
         replay = isinstance(mover.tiers[DEVICE], MetadataTier)
         seen: set[str] | None = None if settings.keys_known or not replay else set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ from cacheflow_jax.cli.common import (
     nonnegative_int,
     parse_size,
     positive_float,
+    positive_size,
     positive_int,
     rate,
 )
@@ -30,6 +32,7 @@ from cacheflow_jax.cli.replay import REPLAY_POLICIES, cmd_replay
 from cacheflow_jax.cli.stats import cmd_stats
 from cacheflow_jax.cli.train import run_train
 from cacheflow_jax.cli.verify import cmd_verify
+from cacheflow_jax.core.log import LOGGER_NAME
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +77,11 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("path", metavar="PATH", help="store directory, URL or orbax checkpoint")
     p.add_argument("--step", type=nonnegative_int, default=None, help="step of a root")
+    p.add_argument(
+        "--block-bytes", type=positive_size, default=None, metavar="SIZE",
+        help="list the blocks a cache given block_bytes=SIZE serves (default: the store's own "
+        "blocks, at most 4 MiB for a checkpoint; keys never depend on a cache's budget)",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument(
         "--json", action="store_true",
@@ -202,7 +210,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
         description="Drive the live cache's TieredCache and policy objects over a trace, with a "
         "store that holds metadata only, and report the counters (the replay JSON of "
         "docs/design.md). SIZE is bytes with an optional unit (64KiB, 2GiB) or a percentage of "
-        "the trace's distinct bytes (5%%). On a unit-size trace (every key one block, as "
+        "the trace's distinct bytes (5%). On a unit-size trace (every key one block, as "
         "Mooncake's hash_ids without --block-bytes, or one key per line) a SIZE counts blocks: "
         "a plain number or a percentage; a byte unit is an error there.",
     )
@@ -351,6 +359,24 @@ def interrupts_reach_main() -> Iterator[None]:
         sys.unraisablehook = previous
 
 
+@contextlib.contextmanager
+def library_warnings(command: str) -> Iterator[None]:
+    """Prints what the library logs (logger ``cacheflow_jax``, warnings and above) to stderr as
+    one line each, ``cacheflow <command>: warning: <message>``, while a command runs."""
+    log = logging.getLogger(LOGGER_NAME)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(f"cacheflow {command}: warning: %(message)s"))
+    propagate = log.propagate
+    log.addHandler(handler)
+    log.propagate = False  # printed here once, not again by a handler of the root logger
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``cacheflow`` command line.
 
@@ -383,7 +409,8 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stdout.flush()
         return int(e.code or 0)
     try:
-        code = args.func(args)
+        with library_warnings(args.command):
+            code = args.func(args)
     except BrokenPipeError:
         raise
     except (OSError, ValueError, UserError) as err:

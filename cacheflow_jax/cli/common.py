@@ -52,6 +52,14 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_size(text: str) -> int:
+    """A byte size above 0 (see `parse_size`)."""
+    value = parse_size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size above 0 bytes")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -135,10 +143,36 @@ def check_input_file(path: str, *, what: str) -> Path:
     """
     p = Path(path).expanduser()
     if p.is_dir():
-        raise UserError(f"{what} {path} is a directory; give a {what} file")
+        raise UserError(f"{what} {path} is a directory; give a file")
     if not p.exists():
         raise UserError(f"{what} {path} does not exist")
     return p
+
+
+def check_store_location(path: str, *, what: str = "store") -> None:
+    """Checks, before opening it, that a local ``path`` can hold a store or checkpoint.
+
+    The command line never creates a store, so the library's way out (``create=True``) is no
+    answer there: a missing path or an empty directory is said as it is. URLs (``s3://...``)
+    are left to the store to check.
+
+    Args:
+      path: the store or checkpoint as given on the command line.
+      what: what it should be, for the message (``"checkpoint"``).
+
+    Raises:
+      UserError: ``path`` does not exist, is a file, or is an empty directory.
+    """
+    if "://" in path:
+        return
+    p = Path(path).expanduser()
+    hint = "give a store directory (write_store), an orbax checkpoint or a URL"
+    if not p.exists():
+        raise UserError(f"{what} {path} does not exist; {hint}")
+    if not p.is_dir():
+        raise UserError(f"{what} {path} is a file, not a directory; {hint}")
+    if not any(p.iterdir()):
+        raise UserError(f"{what} {path} is an empty directory: there is no {what} in it; {hint}")
 
 
 def check_output_file(path: str, *, setting: str, suffixes: Sequence[str] = ()) -> Path:

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from cacheflow_jax.cli.common import check_output_file
+from cacheflow_jax.cli.common import check_output_file, human_size
 from cacheflow_jax.cli.demo_data import (
     DEMO_FORMAT,
     demo_text,
@@ -90,7 +90,7 @@ from cacheflow_jax.cli.demo_predictors import (
     read_log,
     train_mlp,
 )
-from cacheflow_jax.cli.demo_report import COLUMNS, format_table, plot_cdf, result_row
+from cacheflow_jax.cli.demo_report import COLUMNS, LEGEND, format_table, plot_cdf, result_row
 from cacheflow_jax.cli.demo_settings import DemoError, DemoSettings, MiB, default_workdir
 from cacheflow_jax.prefetch.scheduler import PrefetchSettings
 from cacheflow_jax.session.session import serving
@@ -104,6 +104,7 @@ if TYPE_CHECKING:  # the library imports `predictor` only through the Predictor 
 __all__ = [
     "COLUMNS",
     "DEMO_FORMAT",
+    "LEGEND",
     "MiB",
     "ROWS",
     "SEGMENT",
@@ -256,6 +257,13 @@ def _prepare(settings: DemoSettings, config: MoEConfig, log: Callable[[str], Non
                 f"expert); raise it to at least {largest}"
             )
     workdir = settings.workdir or default_workdir()
+    copies = len(ROWS) - 1  # every row but all-resident reads its own copy of the files
+    log(
+        f"demo: writes under {workdir} (choose the place with --workdir): the checkpoint "
+        f"({human_size(config.weight_bytes)}, built once and reused), a copy of it for each "
+        f"of {copies} rows, the warm-up's access log and the MLP: about "
+        f"{human_size((1 + copies) * config.weight_bytes)} in all; delete the folder to free it"
+    )
     t_build = time.perf_counter()
     step_dir, built = prepare_checkpoint(config, workdir, seed=settings.seed)
     run_dir = step_dir.parent.parent
@@ -468,6 +476,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(result["setup"]["header"])
         print(format_table(result["rows"]))
+        print(LEGEND)
         print(f"latency CDF: {result['setup']['plot']}")
     if not result["setup"]["outputs_match"]:
         print("cacheflow demo: error: the passes' outputs differ", file=sys.stderr)

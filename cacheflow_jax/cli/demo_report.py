@@ -24,6 +24,16 @@ COLUMNS = (
 )
 
 
+# What each column of the table means, printed under it.
+LEGEND = (
+    "L1 hit: share of block requests served from device memory (L1); to L3: share read from "
+    "the checkpoint (L3), the rest came from host memory (L2); pf acc: prefetched blocks used "
+    "/ issued; pf cov: share of the would-be L3 reads that prefetch turned into hits ('-': no "
+    "prefetcher); p50/p95 ms: step latency; p95/base, p95/resident: p95 against the baseline's "
+    "and the all-resident limit's"
+)
+
+
 def result_row(
     name: str, latencies: Sequence[float], stats: dict | None = None, *, resident: bool = False
 ) -> dict:

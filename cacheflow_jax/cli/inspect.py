@@ -7,24 +7,33 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from cacheflow_jax.cli.common import human_size, table_lines
+from cacheflow_jax.cli.common import check_store_location, human_size, table_lines
 from cacheflow_jax.core.blocks import KEY_SEPARATOR
 
 
-def inspect_store(path: str, *, step: int | None = None) -> dict[str, Any]:
+def inspect_store(
+    path: str, *, step: int | None = None, block_bytes: int | None = None
+) -> dict[str, Any]:
     """Describes a store or orbax checkpoint: its arrays, chunk shapes, blocks and block keys.
+
+    The keys are the ones a cache over the store serves, at any budget: the store's own blocks
+    (at most 4 MiB for a checkpoint; see `cacheflow_jax.open_store`), or those of
+    ``block_bytes`` when given, as ``TieredCache(..., block_bytes=)`` cuts them.
 
     Args:
       path: anything `cacheflow_jax.open_store` takes.
       step: the step of a ``CheckpointManager`` root to describe (default: the latest).
+      block_bytes: describe the blocks of this size instead of the store's own.
 
     Returns:
-      ``{"store", "source", "arrays": [{"path", "shape", "dtype", "chunk_shape", "grid_shape",
-      "blocks", "nbytes", "first_key", "last_key"}], "keys": [{"key", "nbytes", "shape",
-      "dtype"}], "array_blocks", "runtime_blocks", "blocks", "nbytes", "steps", "step",
-      "manifest", "runtime"}``; ``keys`` lists every block the cache can be asked for
-      (``get(key)``), chunks first, then runtime blocks; ``steps`` lists a
-      ``CheckpointManager`` root's steps.
+      ``{"store", "source", "arrays": [{"path", "shape", "dtype", "chunk_shape",
+      "stored_chunk_shape", "grid_shape", "blocks", "nbytes", "first_key", "last_key"}],
+      "keys": [{"key", "nbytes", "shape", "dtype"}], "array_blocks", "runtime_blocks",
+      "blocks", "nbytes", "runtime_nbytes", "block_bytes", "steps", "step", "manifest",
+      "orphaned_manifests", "runtime"}``; ``keys`` lists every block the cache can be asked
+      for (``get(key)``), chunks first, then runtime blocks; ``steps`` lists a
+      ``CheckpointManager`` root's steps; ``orphaned_manifests`` the chunk manifests beside
+      it whose step is gone.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
@@ -32,8 +41,9 @@ def inspect_store(path: str, *, step: int | None = None) -> dict[str, Any]:
     """
     from cacheflow_jax.core.blocks import block_key
     from cacheflow_jax.store.open import open_store
+    from cacheflow_jax.store.verify import orphaned_manifests
 
-    store = open_store(path, step=step)
+    store = open_store(path, step=step, block_bytes=block_bytes)
     arrays = []
     for info in store.arrays().values():
         grid = info.grid_shape
@@ -46,6 +56,7 @@ def inspect_store(path: str, *, step: int | None = None) -> dict[str, Any]:
                 "shape": list(info.shape),
                 "dtype": info.dtype.name,
                 "chunk_shape": list(info.chunk_shape),
+                "stored_chunk_shape": list(info.stored_chunks),
                 "grid_shape": list(grid),
                 "blocks": blocks,
                 "nbytes": info.nbytes,
@@ -64,20 +75,23 @@ def inspect_store(path: str, *, step: int | None = None) -> dict[str, Any]:
                 "dtype": block.dtype.name,
             }
         )
-    runtime = sum(KEY_SEPARATOR not in k["key"] for k in keys)
+    runtime = [k for k in keys if KEY_SEPARATOR not in k["key"]]
     return {
         "store": store.spec,
         "source": store.source,
         "arrays": arrays,
         "keys": keys,
-        "array_blocks": len(keys) - runtime,
-        "runtime_blocks": runtime,
+        "array_blocks": len(keys) - len(runtime),
+        "runtime_blocks": len(runtime),
         "blocks": len(keys),
         "nbytes": sum(a["nbytes"] for a in arrays),
+        "runtime_nbytes": sum(k["nbytes"] for k in runtime),
+        "block_bytes": store.block_bytes,
         # A CheckpointManager root: its steps, and the one listed (the latest).
         "steps": list(store.steps),
         "step": store.step,
         "manifest": store.manifest,
+        "orphaned_manifests": orphaned_manifests(store) if store.source == "orbax" else [],
         "runtime": store.runtime_spec,
     }
 
@@ -87,7 +101,7 @@ _RUNTIME_SHOWN = 5
 
 def _format_inspect(report: dict[str, Any]) -> str:
     """The ``inspect`` report as a table of arrays with their key ranges, plus a summary."""
-    header = ("array", "shape", "dtype", "chunk", "blocks", "size", "keys")
+    header = ("array", "shape", "dtype", "block", "blocks", "size", "keys")
     cells: list[Sequence[str]] = [header]
     for a in report["arrays"]:
         first, last = a["first_key"], a["last_key"]
@@ -111,25 +125,46 @@ def _format_inspect(report: dict[str, Any]) -> str:
     dtypes = sorted({a["dtype"] for a in report["arrays"]})
     lines.append(
         f"{report['store']} ({report['source']}): {len(report['arrays'])} arrays, "
-        f"{report['array_blocks']} array blocks, {report['runtime_blocks']} runtime blocks, "
-        f"{human_size(report['nbytes'])}; dtypes: {', '.join(dtypes) or '-'}; "
-        "every key: cacheflow inspect --keys"
+        f"{report['array_blocks']} array blocks ({human_size(report['nbytes'])}), "
+        f"{report['runtime_blocks']} runtime blocks ({human_size(report['runtime_nbytes'])}); "
+        f"dtypes: {', '.join(dtypes) or '-'}; every key: cacheflow inspect --keys"
     )
+    cut = [a["path"] for a in report["arrays"] if a["chunk_shape"] != a["stored_chunk_shape"]]
+    if cut:
+        lines.append(
+            f"{len(cut)} arrays stored as chunks larger than {human_size(report['block_bytes'])} "
+            f"are served as blocks of their leading rows (e.g. {cut[0]}); a key names the same "
+            "block at every budget (--block-bytes lists other blocks)"
+        )
     if report.get("steps"):
         lines.append(
             f"CheckpointManager steps: {', '.join(map(str, report['steps']))} "
-            f"(listed: step {report['step']}, the latest; open another with step=N)"
+            f"(listed: step {report['step']}, the latest; open another with --step N)"
         )
     if not report["arrays"]:
         lines.append("no arrays: this location holds no stored arrays")
     if report.get("manifest"):
         lines.append(f"chunk manifest (checked on every read): {report['manifest']}")
+    elif report["source"] == "orbax":
+        which = "" if report.get("step") is None else f" for step {report['step']}"
+        if report.get("steps") and report.get("step") == max(report["steps"]):
+            which += " (the newest)"
+        lines.append(
+            f"no chunk manifest{which}: reads are not checked against one; record it with "
+            "`cacheflow verify`"
+        )
+    if report.get("orphaned_manifests"):
+        lines.append(
+            f"manifests of deleted steps (the CheckpointManager removed them, max_to_keep): "
+            f"{', '.join(report['orphaned_manifests'])}; `cacheflow verify` removes them"
+        )
     return "\n".join(lines)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``cacheflow inspect``: the report as a table, JSON (``--json``) or keys (``--keys``)."""
-    report = inspect_store(args.path, step=args.step)
+    check_store_location(args.path)
+    report = inspect_store(args.path, step=args.step, block_bytes=args.block_bytes)
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.keys:

@@ -180,6 +180,8 @@ def run_replay(args: argparse.Namespace) -> list[dict[str, Any]]:
                     warmup=warmup,
                     progress=not args.no_progress,
                     label=f"replay {policy} {size}" + (f" {name}" if name != "none" else ""),
+                    names=(f"{setting} {size}", f"--host-bytes {args.host_bytes}"),
+                    unit="blocks" if unit else "bytes",
                 )
                 stats["size"] = size
                 stats["distinct_bytes"] = total

@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from cacheflow_jax.cache.advice import prefetch_advice, stream_advice, trace_budget_advice
 from cacheflow_jax.cache.tiered import TieredCache
 from cacheflow_jax.core.blocks import ArrayInfo, BlockInfo, BudgetError
+from cacheflow_jax.core.log import logger
 from cacheflow_jax.policies import Policy, get_policy
 from cacheflow_jax.prefetch.scheduler import PrefetchSettings
 from cacheflow_jax.tiers.memory import PRESENT, MetadataTier
@@ -74,6 +76,11 @@ class TraceStore:
         # ``info`` is the dict's own lookup: replay asks for a size on every access.
         self.info = _Infos(self.spec, self._sizes).__getitem__
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each key's size: its largest ``nbytes`` in the trace."""
+        return self._sizes
+
     def sizes_of(self, keys: Sequence[str]) -> list[int]:
         """The size of each of ``keys``, in order (they are the trace's keys)."""
         return list(map(self._sizes.__getitem__, keys))
@@ -125,6 +132,8 @@ def replay(
     warmup: int = 0,
     progress: bool = False,
     label: str = "replay",
+    names: tuple[str, str] = ("device_bytes", "host_bytes"),
+    unit: str = "bytes",
 ) -> dict:
     """Replays ``trace`` through a `TieredCache` and returns its stats (the replay JSON).
 
@@ -140,12 +149,19 @@ def replay(
         them, and no prefetch is issued during them (e.g. the predictor's training part).
       progress: show a progress bar on stderr.
       label: the progress bar's label (the CLI names the policy and the size).
+      names: how the budgets are named in warnings (the CLI's ``--device-bytes 5%``).
+      unit: what sizes count, in warnings (``blocks`` on a unit-size trace).
 
     Returns:
       The cache's stats (the replay JSON of docs/design.md) plus ``trace``, ``device_bytes``,
       ``host_bytes``, ``accesses_per_second``, ``clock`` (``"trace"``, or ``"none"`` for a trace
       without timestamps) and ``ttl_applied``. Blocks larger than both budgets are never cached
       (each access to one is a miss), as in libCacheSim.
+
+    Logs a warning (logger ``cacheflow_jax``, `cacheflow_jax.cache.advice`) where a budget is
+    smaller than a block, where the trace re-reads its blocks yet L1 serves almost none of them
+    (a streamed working set larger than L1), and where a prefetcher can issue nothing or
+    issued nothing.
 
     Raises:
       BudgetError: a budget is negative, or ``device_bytes`` is 0.
@@ -182,6 +198,19 @@ def replay(
     )
     if not 0 <= warmup <= len(trace.keys):
         raise ValueError(f"warmup={warmup} must be between 0 and the trace's {len(trace.keys)} accesses")
+    for text in trace_budget_advice(store.sizes, trace.keys, device_bytes=device_bytes,
+                                    host_bytes=host_bytes, prefetch=prefetcher is not None,
+                                    names=names, unit=unit):  # fmt: skip
+        logger.warning("%s: %s", trace.path, text)
+    stats = _run(cache, clock, trace, store, (device_bytes, host_bytes), warmup, progress, label)
+    _advise(trace, store, stats, device_bytes, warmup, (names, unit),
+            None if prefetcher is None else prefetch or PrefetchSettings())  # fmt: skip
+    return stats
+
+
+def _run(cache: TieredCache, clock: _Clock, trace: Trace, store: TraceStore,
+         budgets: tuple[int, int], warmup: int, progress: bool, label: str) -> dict:  # fmt: skip
+    """Feeds the trace's accesses to the cache; returns its stats with the run's fields."""
     access = cache.access_many_sync
     keys = trace.keys
     sizes = store.sizes_of(keys)
@@ -217,9 +246,29 @@ def replay(
         clock.now = times[-1]
     stats = cache.stats()
     stats["trace"] = trace.path
-    stats["device_bytes"] = device_bytes
-    stats["host_bytes"] = host_bytes
+    stats["device_bytes"], stats["host_bytes"] = budgets
     stats["accesses_per_second"] = len(keys) / elapsed if elapsed > 0 else 0.0
     stats["clock"] = "trace" if trace.timed else "none"
     stats["ttl_applied"] = trace.timed and stats["policy"].get("ttl") is not None
     return stats
+
+
+def _advise(
+    trace: Trace, store: TraceStore, stats: dict, device_bytes: int, warmup: int,
+    words: tuple[tuple[str, str], str], prefetch: PrefetchSettings | None,
+) -> None:  # fmt: skip
+    """Logs what the counted run says went wrong (see `cacheflow_jax.cache.advice`)."""
+    counted = len(trace.keys) - warmup
+    if not counted:
+        return
+    distinct = store.sizes if not warmup else dict.fromkeys(trace.keys[warmup:])
+    reused = counted - len(distinct)
+    working = sum(store.sizes[k] for k in distinct)
+    text = stream_advice(stats, reused=reused, working_bytes=working, device_bytes=device_bytes,
+                         names=words[0], unit=words[1])  # fmt: skip
+    if text is not None:
+        logger.warning("%s: %s", trace.path, text)
+    if prefetch is not None:
+        text = prefetch_advice(stats, keys_known=prefetch.keys_known)
+        if text is not None:
+            logger.warning("%s: %s", trace.path, text)

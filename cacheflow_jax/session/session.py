@@ -18,7 +18,9 @@ from typing import Any
 
 import jax
 
+from cacheflow_jax.cache.advice import session_advice
 from cacheflow_jax.cache.tiered import TieredCache
+from cacheflow_jax.core.log import logger
 from cacheflow_jax.session.embedding import EmbeddingRows
 from cacheflow_jax.trace.writer import AccessLogWriter
 
@@ -167,7 +169,10 @@ def serving(
     On exit, even when the body raises, pending write-backs are finished (dirty runtime blocks
     reach L3) and the access log is flushed and closed. If the body raised, its exception is the
     one that propagates; an error while finishing is attached to it as a note. Otherwise the
-    first such error is raised.
+    first such error is raised, and the counters of a session without lookups are checked: a
+    warning is logged (logger ``cacheflow_jax``) where blocks were read again and again but L1
+    served almost none of them (a streamed working set larger than L1), or where a prefetcher
+    issued nothing (`cacheflow_jax.cache.advice`).
 
     Args:
       cache: the `TieredCache` to serve from.
@@ -214,6 +219,10 @@ def serving(
             body_error.add_note(f"while leaving serving(): {type(err).__name__}: {err}")
         raise
     errors = _finish(session, log)
+    # Lookups read their tables' chunks into L2 only, by design: a session with lookups is not
+    # judged by its L1 hits.
+    for text in [] if session._rows else session_advice(cache):
+        logger.warning("serving(%s): %s", cache.store.spec, text)
     if errors:
         for err in errors[1:]:
             errors[0].add_note(f"also while leaving serving(): {type(err).__name__}: {err}")

@@ -6,11 +6,17 @@ beside the checkpoint (``<checkpoint directory>.cacheflow-manifest.json``; the f
 ``manifest.CHECKPOINT_MANIFEST_FORMAT``), never inside it. From then on `open_store` checks every
 read of that checkpoint against it, and a later ``verify`` checks every chunk. Record the manifest
 right after saving: it vouches for the bytes as they are when it is recorded.
+
+A ``CheckpointManager`` deletes old steps (``max_to_keep``) but knows nothing of the manifests
+beside them: `orphaned_manifests` lists those whose step is gone, and `verify_checkpoint` of the
+root removes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,14 +24,17 @@ import numpy as np
 
 from cacheflow_jax.core.blocks import CorruptBlockError, StoreError, block_key
 from cacheflow_jax.store.futures import Deadline, wait_for
-from cacheflow_jax.store.locations import open_kvstore
+from cacheflow_jax.store.locations import list_keys, open_kvstore
 from cacheflow_jax.store.manifest import block_crc32c, encode_checkpoint_manifest
 from cacheflow_jax.store.open import open_store
+from cacheflow_jax.store.orbax_source import MANIFEST_SUFFIX
 from cacheflow_jax.store.runtime_format import atomic_write_file
 from cacheflow_jax.store.tensorstore_store import TensorStoreStore
 
 # Chunks read at once: bounds the memory a verify takes on a large checkpoint.
 BATCH_BYTES = 256 * 2**20
+# The manifest of step N of a CheckpointManager root, beside the step directory.
+_STEP_MANIFEST = re.compile(r"(\d+)" + re.escape(MANIFEST_SUFFIX))
 
 
 def verify_checkpoint(
@@ -50,14 +59,17 @@ def verify_checkpoint(
 
     Returns:
       ``{"checkpoint", "manifest", "status": "recorded" | "ok" | "corrupt", "arrays",
-      "chunks", "nbytes", "errors": [message, ...]}``.
+      "chunks", "nbytes", "errors": [message, ...], "removed": [manifest, ...]}``;
+      ``removed`` lists the manifests of a root's deleted steps (see `orphaned_manifests`),
+      removed once the step verified is not corrupt.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
       StoreError: ``path`` is not an orbax checkpoint, or the manifest cannot be written next
         to it (a checkpoint at the root of a bucket has no place beside it).
     """
-    store = open_store(path, step=step, manifest=not update)
+    # The manifest covers the stored chunks, whatever block size serves them.
+    store = open_store(path, step=step, manifest=not update).with_block_bytes(None)
     if store.source != "orbax" or store.manifest_location is None:
         raise StoreError(
             f"{store.spec} is not an orbax checkpoint with a place beside it for a manifest; "
@@ -91,10 +103,12 @@ def verify_checkpoint(
         "chunks": len(chunks),
         "nbytes": total,
         "errors": errors,
+        "removed": [],
     }
     if errors:
         report["status"] = "corrupt"
         return report
+    report["removed"] = _remove(spec, orphaned_manifests(store))
     if checking:
         report["status"] = "ok"
         return report
@@ -106,6 +120,54 @@ def verify_checkpoint(
         wait_for(kv.write(name, data), Deadline(60.0), f"writing {where}")
     report["status"] = "recorded"
     return report
+
+
+def orphaned_manifests(store: TensorStoreStore) -> list[str]:
+    """The chunk manifests beside a ``CheckpointManager`` root whose step is gone.
+
+    Orbax deletes old steps (``max_to_keep``) and leaves the manifests ``cacheflow verify``
+    wrote beside them. Only a store opened at a root has steps to compare with.
+
+    Args:
+      store: a store opened by `open_store`.
+
+    Returns:
+      The manifests' names (``3.cacheflow-manifest.json``), sorted; empty for a store that is not
+      a ``CheckpointManager`` root.
+
+    Raises:
+      StoreError: the root cannot be listed.
+    """
+    if not store.steps or store.manifest_location is None:
+        return []
+    spec = store.manifest_location[0]
+    if spec.get("driver") == "file":
+        try:
+            names = os.listdir(str(spec.get("path", "")))
+        except FileNotFoundError:
+            return []
+    else:
+        kv = open_kvstore(spec, store.spec)
+        names = [k for k in list_keys(kv, store.spec, Deadline(60.0)) if "/" not in k]
+    gone = []
+    for name in names:
+        m = _STEP_MANIFEST.fullmatch(name)
+        if m is not None and int(m.group(1)) not in store.steps:
+            gone.append(name)
+    return sorted(gone)
+
+
+def _remove(spec: Mapping[str, Any], names: list[str]) -> list[str]:
+    """Removes the manifests ``names`` from the directory ``spec``; returns them."""
+    if spec.get("driver") == "file":
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(str(spec.get("path", "")), name))
+        return names
+    kv = open_kvstore(spec, "the manifests' directory")
+    for name in names:
+        wait_for(kv.write(name, None), Deadline(60.0), f"removing {name}")
+    return names
 
 
 def _grid(grid: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -10,7 +10,9 @@ Formats:
 * ``libcachesim-csv``: a CSV as libCacheSim reads it, with a column spec such as
   ``"time=2,key=5,size=4,header=true"`` (1-based columns, like libCacheSim's ``-t``).
 * ``txt``: one key per line, unit size. It has no clock: ``t`` is the line number and
-  `Trace.timed` is False (replay then applies no TTL).
+  `Trace.timed` is False (replay then applies no TTL). Guessed only for a name ending in
+  ``.txt`` (or ``.txt.gz``): any other file whose first line fits no format is not a trace (a
+  `TraceFormatError`), never a list of keys.
 
 Gzip input (by its magic bytes) is read transparently. A malformed line is a `TraceFormatError`
 naming the file and the line number; nothing is skipped silently.
@@ -178,13 +180,31 @@ def _open_text(path: str) -> io.TextIOBase:
     return open(path, encoding="utf-8")  # noqa: SIM115 (returned to a with block)
 
 
+NOT_A_TRACE = (
+    "is not a trace: {why}. A trace is access log v1 (JSON Lines, or a CSV whose header is "
+    "t,key,nbytes,kind,req), Mooncake JSON Lines, a libCacheSim CSV (with a column spec), or "
+    "one key per line in a file named *.txt; name its format (--format, or "
+    "read_trace(format=...)) if it is one of them"
+)
+
+
 def guess_format(path: str) -> str:
-    """Guesses a trace's format from its name and first line."""
+    """Guesses a trace's format from its name and first line.
+
+    Raises:
+      TraceFormatError: the file is not text, or its first line fits no format and its name
+        does not end in ``.txt`` (a Python file, say): it is not a trace.
+    """
     name = path.lower().removesuffix(".gz")
     if name.endswith(".txt"):
         return "txt"
-    with _open_text(path) as f:
-        first = f.readline().strip()
+    try:
+        with _open_text(path) as f:
+            first = f.readline().strip()
+    except UnicodeDecodeError:
+        raise TraceFormatError(
+            f"{path} " + NOT_A_TRACE.format(why="it is not text (UTF-8, or gzip of it)")
+        ) from None
     if first.startswith("{"):
         try:
             row = json.loads(first)
@@ -195,7 +215,9 @@ def guess_format(path: str) -> str:
         return "log"
     if "," in first:
         return "libcachesim-csv"
-    return "txt"
+    raise TraceFormatError(
+        f"{path} " + NOT_A_TRACE.format(why=f"its first line {first[:60]!r} fits no format")
+    )
 
 
 def read_trace(
@@ -235,8 +257,13 @@ def read_trace(
         "libcachesim-csv": _read_csv,
         "txt": _read_txt,
     }[fmt]
-    with _open_text(path) as f:
-        clock = reader(f, path, cols, limit=limit, block_bytes=block_bytes, csv_spec=csv_spec)
+    try:
+        with _open_text(path) as f:
+            clock = reader(f, path, cols, limit=limit, block_bytes=block_bytes, csv_spec=csv_spec)
+    except UnicodeDecodeError:
+        raise TraceFormatError(
+            f"{path} " + NOT_A_TRACE.format(why="it is not text (UTF-8, or gzip of it)")
+        ) from None
     t, keys, nbytes, kinds, reqs = cols
     if not keys:
         raise ValueError(f"trace {path} ({fmt}) holds no accesses; give a non-empty trace")
