@@ -24,8 +24,9 @@ L2 the other seven eighths, so the bytes a way may hold are the table's bytes:
 * ``host-offload``: the table in ``pinned_host`` memory; inside the jitted step the ids move to
   the host, the rows are gathered there (``compute_on("device_host")``) and moved to the device.
   Device memory holds only the batch's rows.
-* ``cacheflow``: `TieredCache` (L1 1/8, L2 7/8 of the table, L3 the store), rows by
-  ``session.lookup`` with all of L1 reserved for rows, then the jitted encoder on the rows. The
+* ``cacheflow``: `TieredCache` (L1 1/8, L2 7/8 of the table, L3 the store;
+  ``device_layout="slab"``, the layout for rows), rows by ``session.lookup`` with all of L1
+  reserved for rows and promotions every 4 lookups, then the jitted encoder on the rows. The
   step is split at the lookup: ``lookup`` cannot run under ``jit`` (docs/kernels.md).
 * ``all-resident``: the table on the device, gathered there (its own jitted call: fused into
   the encoder, XLA may round differently), then the encoder (the limit).
@@ -74,6 +75,7 @@ WAYS = ("tensorstore", "tensorstore-pool", "host-offload", "cacheflow", "all-res
 BASELINE = "tensorstore"
 CHUNK_BYTES = 64 << 10
 PROMOTE_EVERY = 4  # a lookup here is 2,048 ids: the counters learn enough in 4 batches
+LAYOUT = "slab"  # rows in L1's slab: one gather per lookup (docs/kernels.md: faster for rows)
 DEFAULT_DIR = Path(__file__).resolve().parent / "out" / NAME
 
 
@@ -116,7 +118,7 @@ def make_way(name: str, root: Path, model: TextModel, budgets: tuple[int, int]) 
         import cacheflow_jax as cfj
 
         cache = cfj.TieredCache(cfj.open_store(root), device_bytes=budgets[0],
-                                host_bytes=budgets[1])  # fmt: skip
+                                host_bytes=budgets[1], device_layout=LAYOUT)  # fmt: skip
         return CacheflowTable(cache, embedding_bytes=budgets[0], promote_every=PROMOTE_EVERY)
     if name == "all-resident":
         return Resident(model.table, None)

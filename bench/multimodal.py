@@ -1,7 +1,7 @@
 """Multimodal serving, 50 concurrent requests: vision weights, text rows and KV under one budget.
 
 ```
-python -m bench.multimodal [--requests 400] [--warm 800] [--image-share 0.3] [--load 0.7]
+python -m bench.multimodal [--requests 300] [--warm 600] [--image-share 0.3] [--load 0.7]
                            [--runs 3] [--quick] [--json]
 ```
 
@@ -345,8 +345,8 @@ def run(args: Any) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(NAME, __doc__.split("\n")[0], runs=3)
-    p.add_argument("--requests", type=int, default=400, help="measured requests (the trace's last)")
-    p.add_argument("--warm", type=int, default=800, help="warm-up requests before them")
+    p.add_argument("--requests", type=int, default=300, help="measured requests (the trace's last)")
+    p.add_argument("--warm", type=int, default=600, help="warm-up requests before them")
     p.add_argument("--warm-tables", type=int, default=100,
                    help="of those, how many also warm the weights and rows")  # fmt: skip
     p.add_argument("--image-share", type=float, default=0.3, help="requests with an image")

@@ -112,7 +112,16 @@ def summarize_scenario(name: str, payload: dict[str, Any]) -> dict[str, Any]:
             bound = BOUNDS.get("baseline" if way == baseline else way, 1.0)
             v = Target(f"cacheflow / {way} (p95)", "<=", bound).verdict(ratios[way])
             verdicts.append(v)
-    ordered = sorted(ways, key=lambda w: (w != baseline, w == "all-resident", w == "cacheflow"))
+    listed = list(payload["results"].get("summary", ways))  # the benchmark's own order
+    ordered = sorted(
+        ways,
+        key=lambda w: (
+            w != baseline,
+            w == "all-resident",
+            w == "cacheflow",
+            listed.index(w) if w in listed else len(listed),
+        ),
+    )
     return {
         "name": name, "label": label, "outputs_equal": equal, "baseline": baseline,
         "runs": len(runs), "rows": [rows[ways.index(w)] for w in ordered],
@@ -168,14 +177,19 @@ def plot(entries: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    fixed = {"baseline": "black", "cacheflow": "tab:red", "all-resident": "tab:purple"}
+    others = iter(["tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:cyan", "tab:brown"])
+    colors: dict[str, str] = {}
     fig, axes = plt.subplots(1, len(entries), figsize=(5.5 * len(entries), 4.2), squeeze=False)
     for ax, e in zip(axes[0], entries):
         for way, lat in e["latencies_ms"].items():
             if not lat:
                 continue
             xs = np.sort(np.asarray(lat))
+            key = "baseline" if way == e["baseline"] else way
+            color = fixed.get(key) or colors.setdefault(key, next(others, "tab:gray"))
             label = f"{way} (baseline)" if way == e["baseline"] else way
-            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label)
+            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label, color=color)
         ax.set_xscale("log")
         ax.axhline(0.95, color="grey", lw=0.6, ls=":")
         ax.set_title(e["label"], fontsize=9)
