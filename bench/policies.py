@@ -47,7 +47,7 @@ from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import parse_size, read_trace
 
 from bench import policy_spread
-from bench.peers import (  # noqa: F401  (re-exported: other benchmarks import them here)
+from bench._peers import (  # noqa: F401  (re-exported: other benchmarks import them here)
     DEFAULT,
     GAP_MIN,
     OURS,

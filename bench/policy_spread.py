@@ -31,7 +31,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.peers import DEFAULT, peer_miss_ratio, shared_traces
+from bench._peers import DEFAULT, peer_miss_ratio, shared_traces
 from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import parse_size, read_trace
 

@@ -220,19 +220,12 @@ def test_what_is_not_run_is_listed_and_run_elsewhere() -> None:
     assert "python -m pip install -e '.[test]' && python -m pytest -q" in ci
 
 
-# README.md's blocks need lines only the lead edits (issue 30's report has them); until they
-# are in, its blocks fail as the issue found them.
-_README = pytest.mark.xfail(
-    strict=True, reason="README.md's blocks as issue 30 found them (undefined names); apply the "
-    "README lines of issue 30's report, then remove this mark",
-)  # fmt: skip
 RUNNABLE = [d for d in DOCS if any(b.lang in RUN for b in blocks_of(d))]
 
 
 @pytest.mark.parametrize(
     "doc",
-    [pytest.param(d, marks=_README) if d.name == "README.md" and d.parent == ROOT else d
-     for d in RUNNABLE],
+    RUNNABLE,
     ids=[str(d.relative_to(ROOT)) for d in RUNNABLE],
 )  # fmt: skip
 def test_the_blocks_run_as_written(

@@ -12,6 +12,7 @@ BENCHMARKS = (
     "hit_cost", "cold_read", "metadata_memory", "policies", "two_tier", "h2d", "synthetic",
     "embedding", "gpu_kernels", "stats_speed", "subblocks", "soak", "replay_speed", "prefetchers",
     "foresight", "llm_serving", "embedding_model", "multimodal", "scenarios", "scale",
+    "policy_spread",
 )
 
 
