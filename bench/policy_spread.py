@@ -89,10 +89,16 @@ def run(traces: list[str], sizes: list[str], *, workers: int, policies: list[str
                 jobs += [(path, label, p, "peer", cap) for p in peers]
     jobs.sort(key=lambda j: -out[j[0]]["accesses"])
     done = {}
-    with ProcessPoolExecutor(workers) as ex:
-        for path, label, policy, cap, mr in ex.map(job, jobs, chunksize=4):
-            name = policy if policy in policies else f"lcs:{policy}"
-            done[(path, label, name, cap)] = mr
+    if workers <= 1:  # in this process: no fork of a process that may have JAX's threads
+        found = map(job, jobs)
+    else:
+        ex = ProcessPoolExecutor(workers)
+        found = ex.map(job, jobs, chunksize=4)
+    for path, label, policy, cap, mr in found:
+        name = policy if policy in policies else f"lcs:{policy}"
+        done[(path, label, name, cap)] = mr
+    if workers > 1:
+        ex.shutdown()
     for path, res in out.items():
         for label, point in res["points"].items():
             for name in [*policies, *(f"lcs:{p}" for p in peers)]:
