@@ -130,7 +130,8 @@ def check_budgets(
                 f"{setting}={given}{lines} is smaller than the largest block of "
                 f"{store.spec} ({largest} bytes); raise {setting} to at least {largest}"
                 + (" or set it to 0 to disable L2" if setting == "host_bytes" else "")
-                + ", or rewrite the store with smaller chunks (write_store(chunk_bytes=...))"
+                + ", or serve it in smaller blocks (block_bytes=... for open_store, TieredCache "
+                "or restore_lazy; or write_store(chunk_bytes=...))"
             )
     return largest
 

@@ -443,9 +443,9 @@ def restore_lazy(
         ``sharding`` (a ``jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec))``) is
         kept: `materialize` returns a global array with it, and in a ``jax.distributed`` job
         each process reads only the blocks of its addressable shards (docs/scale.md).
-      block_bytes: the new cache's block size (see `TieredCache`); default 1/8 of
-        ``device_bytes``, so a chunk larger than that (orbax writes one per array) is served as
-        sub-blocks.
+      block_bytes: the block size (see `TieredCache`); default: the store's own blocks, at
+        most 4 MiB for an orbax checkpoint whatever the budget (a key names the same data at
+        every budget); a smaller value serves smaller sub-blocks, and keys follow it.
       runtime: where runtime blocks (``put``) go; the checkpoint is never written (see
         `cacheflow_jax.open_store`).
       prefetcher: a `predictor.Predictor` for the new cache to prefetch with, and ``prefetch``
