@@ -102,7 +102,7 @@ def test_readme_set_up_is_the_two_commands_and_ci_runs_the_second() -> None:
     setup = _section(README.read_text(encoding="utf-8"), "Set up (fresh machine, Python >= 3.11)")
     commands = re.findall(r"```bash\n(.*?)\n```", setup, re.S)
     assert commands == [
-        "python -m pip install -e . && cacheflow demo",
+        "python -m pip install -e . && cacheflow demo --workdir cacheflow-demo/",
         "python -m pip install -e '.[test]' && python -m pytest -q",
     ]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()

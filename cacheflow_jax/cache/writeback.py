@@ -28,6 +28,7 @@ Design note.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -74,6 +75,7 @@ class WriteBack:
         self._resident = resident
         self._to_host = to_host
         self.parked: dict[str, Any] = {}  # dirty blocks that left L1/L2: key -> value
+        self._to_start: dict[str, None] = {}  # parked since `start` last looked (an ordered set)
         self._dirty: dict[str, int] = {}  # key -> nbytes, while its latest version is not durable
         self.dirty_bytes = 0
         self._latest: dict[str, Version] = {}  # dirty keys: the version of their last put
@@ -98,6 +100,7 @@ class WriteBack:
     def record_put(self, key: str, nbytes: int) -> None:
         """Under the lock: a put of ``key`` (``nbytes``) supersedes its earlier versions."""
         self.parked.pop(key, None)
+        self._to_start.pop(key, None)
         self._latest[key] = next_version()
         self.dirty_bytes += nbytes - self._dirty.get(key, 0)
         self._dirty[key] = nbytes
@@ -109,6 +112,7 @@ class WriteBack:
         """
         if key in self._dirty and (replace or key not in self.parked):
             self.parked[key] = value
+            self._to_start[key] = None
 
     def _claim(self, keys: Iterable[str]) -> list[tuple[str, Any, Version, Future]]:
         """Under the lock: marks writes of the latest version of each dirty ``key`` as started.
@@ -134,11 +138,15 @@ class WriteBack:
     # ------------------------------------------------------------------- outside the lock
 
     def start(self) -> None:
-        """Starts writes of the parked blocks (those not being written already)."""
-        if not self.parked:
+        """Starts writes of the blocks parked since the last call (those not being written
+        already; a parked block whose write is in flight is written again when it ends, if a
+        newer version was parked meanwhile). O(blocks parked since), not O(blocks parked)."""
+        if not self._to_start:
             return
         with self.lock:
-            todo = self._claim(list(self.parked))
+            keys = [k for k in self._to_start if k in self.parked]
+            self._to_start.clear()
+            todo = self._claim(keys)
         self._submit(todo)
 
     def start_all(self) -> None:
@@ -227,6 +235,7 @@ class WriteBack:
     def _clean(self, key: str) -> None:
         """Under the lock: ``key``'s latest version is durable."""
         self.parked.pop(key, None)
+        self._to_start.pop(key, None)
         self.dirty_bytes -= self._dirty.pop(key)
         self._latest.pop(key, None)
         self._durable.pop(key, None)
@@ -285,9 +294,10 @@ class WriteBack:
         tries: collections.Counter[str] = collections.Counter()
         with self.lock:
             target = {key: version.seq for key, version in self._latest.items()}
+        left = list(target)
         while True:
             with self.lock:
-                left = [k for k, seq in target.items() if not self._reached(k, seq)]
+                left = [k for k in left if not self._reached(k, target[k])]
                 if not left:
                     if self._conflicts:
                         conflict = self._conflicts[0]
@@ -303,16 +313,22 @@ class WriteBack:
                 todo = self._claim(retry)
                 for key, *_ in todo:
                     tries[key] += 1
-                if not todo:
-                    wait = None if deadline is None else deadline - time.monotonic()
-                    if wait is not None and wait <= 0:
-                        raise TimeoutError(
-                            f"{len(left)} write-backs of runtime blocks to store "
-                            f"{self.store.spec} still pending after {timeout} s (for example "
-                            f"{left[0]!r}); the blocks stay in memory, flush() again"
-                        )
+                # The writes this flush waits for: their futures end after the state changed.
+                pending = [f for f in (self._futures.get(k) for k in left) if f is not None]
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise TimeoutError(
+                        f"{len(left)} write-backs of runtime blocks to store "
+                        f"{self.store.spec} still pending after {timeout} s (for example "
+                        f"{left[0]!r}); the blocks stay in memory, flush() again"
+                    )
+                if not pending:  # nothing in flight: blocks between tiers land first
                     self._written.wait(0.05 if wait is None else min(0.05, wait))
+                    continue
             self._submit(todo)
+            # Outside the lock, so that the writes can finish: one scan per batch of them, not
+            # one per write (a scan is O(blocks left)).
+            concurrent.futures.wait(pending, timeout=0.5 if wait is None else min(0.5, wait))
 
     def wait_until_finished(self, timeout: float | None = None) -> None:
         """Waits for the writes in flight; raises the first recorded error (data stays in memory).
