@@ -65,3 +65,16 @@ def peer_miss_ratio(trace, name: str, size: int) -> float | None:
         if not get(request(obj_id=obj, obj_size=sizes[key], clock_time=i)):
             misses += 1
     return misses / len(trace.keys)
+
+
+_TRACE = None
+
+
+def cached_trace(path: str):
+    """The trace at ``path``, read once per worker process (the last one read is kept)."""
+    global _TRACE
+    if _TRACE is None or _TRACE.path != path:
+        from cacheflow_jax.trace.reader import read_trace
+
+        _TRACE = read_trace(path)
+    return _TRACE

@@ -43,9 +43,6 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from cacheflow_jax.replay.engine import replay
-from cacheflow_jax.trace.reader import parse_size, read_trace
-
 from bench import policy_spread
 from bench._peers import (  # noqa: F401  (re-exported: other benchmarks import them here)
     DEFAULT,
@@ -54,19 +51,13 @@ from bench._peers import (  # noqa: F401  (re-exported: other benchmarks import 
     PEER_MIN_SIZE,
     PEERS,
     QUICK,
+    cached_trace,
     peer_miss_ratio,
     shared_traces,
     shared_traces_dir,
 )
-
-_TRACE = None
-
-
-def _load(path: str):
-    global _TRACE
-    if _TRACE is None or _TRACE.path != path:
-        _TRACE = read_trace(path)
-    return _TRACE
+from cacheflow_jax.replay.engine import replay
+from cacheflow_jax.trace.reader import parse_size, read_trace
 
 
 def _apply_settings(settings: dict[str, float]) -> None:
@@ -81,7 +72,7 @@ def _apply_settings(settings: dict[str, float]) -> None:
 def _job(args: tuple) -> tuple:
     path, who, name, size, settings = args
     _apply_settings(settings)
-    trace = _load(path)
+    trace = cached_trace(path)
     start = time.perf_counter()
     if who == "ours":
         mr = replay(trace, device_bytes=size, host_bytes=0, policy=name)["miss_ratio"]

@@ -31,7 +31,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from bench._peers import DEFAULT, peer_miss_ratio, shared_traces
+from bench._peers import DEFAULT, cached_trace, peer_miss_ratio, shared_traces
 from cacheflow_jax.replay.engine import replay
 from cacheflow_jax.trace.reader import parse_size, read_trace
 
@@ -39,14 +39,6 @@ STEPS = tuple(range(-4, 5))
 SPREAD_SLACK = 0.002  # the spread may exceed 2x LRU's by this much
 RISE_MAX = 0.002  # the most one more block may raise the miss ratio
 
-_TRACE = None
-
-
-def _trace(path: str):
-    global _TRACE
-    if _TRACE is None or _TRACE.path != path:
-        _TRACE = read_trace(path)
-    return _TRACE
 
 
 def step_bytes(trace) -> int:
@@ -58,7 +50,7 @@ def step_bytes(trace) -> int:
 def job(args: tuple) -> tuple:
     """One replay: ``(path, label, policy, kind, capacity)`` -> the same plus the miss ratio."""
     path, label, policy, kind, capacity = args
-    trace = _trace(path)
+    trace = cached_trace(path)
     if kind == "ours":
         mr = replay(trace, device_bytes=capacity, host_bytes=0, policy=policy)["miss_ratio"]
     else:

@@ -109,20 +109,18 @@ def test_a_serving_session_warns_at_exit_when_l1_never_serves_a_stream(
     store = cfj.write_store({"layers": layers}, tmp_path / "w", chunk_bytes=256 << 10)
     keys = _passes(8, 20)
     small = cfj.TieredCache(store, device_bytes=1 * MiB, host_bytes=4 * MiB)
-    with caplog.at_level(logging.WARNING, logger="cacheflow_jax"):
-        with cfj.serving(small) as s:
-            for key in keys:
-                s.get(key)
+    with caplog.at_level(logging.WARNING, logger="cacheflow_jax"), cfj.serving(small) as s:
+        for key in keys:
+            s.get(key)
     assert s.stats()["hits"]["device"] == 0
     said = _warnings(caplog)
     assert len(said) == 1 and "0 of 160 requests were served from L1" in said[0]
     assert "device_bytes" in said[0] and "prefetch" in said[0], said
     caplog.clear()
     fits = cfj.TieredCache(store, device_bytes=2 * MiB, host_bytes=0)
-    with caplog.at_level(logging.WARNING, logger="cacheflow_jax"):
-        with cfj.serving(fits) as s:
-            for key in keys:
-                s.get(key)
+    with caplog.at_level(logging.WARNING, logger="cacheflow_jax"), cfj.serving(fits) as s:
+        for key in keys:
+            s.get(key)
     assert s.stats()["hits"]["device"] == 160 - 8 and _warnings(caplog) == []
 
 

@@ -6,7 +6,6 @@ compressed, checksummed), stores from write_store, and an orbax checkpoint.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any

@@ -23,8 +23,8 @@ from cacheflow_jax.cli.common import (
     nonnegative_int,
     parse_size,
     positive_float,
-    positive_size,
     positive_int,
+    positive_size,
     rate,
 )
 from cacheflow_jax.cli.inspect import cmd_inspect
