@@ -207,10 +207,7 @@ class Cacheflow(Way):
         return self.cache.cached_prefix(keys)
 
     def load(self, keys: list[str]) -> list[dict[str, Any]]:
-        for key in keys:
-            where = self.cache.locate(key)
-            self.hits["device" if where == "device" else "store" if where == "store" else "host"] += 1
-        return self.cache.get_many(keys)
+        return self.cache.get_many(keys)  # the cache counts where each block came from
 
     def store(self, key: str, block: dict[str, Any]) -> None:
         start = time.perf_counter()
@@ -243,7 +240,10 @@ class Cacheflow(Way):
 
     def stats(self) -> dict[str, Any]:
         s = self.cache.stats()
-        return {"hits": dict(self.hits), "writebacks": s["writebacks"],
+        # Counted by the cache since `settle`: a block that was on its way up (a prefetch still
+        # reading it) counts where it was read from.
+        hits = {"device": s["hits"]["device"], "host": s["hits"]["host"], "store": s["misses"]}
+        return {"hits": hits, "writebacks": s["writebacks"],
                 "cache_hits": s["hits"], "cache_misses": s["misses"]}  # fmt: skip
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from cacheflow_jax.cache.in_place import can_move_in_place, promote_in_place
 from cacheflow_jax.cache.mover import DEVICE, HOST, Transit
 from cacheflow_jax.core.blocks import BudgetError
 from cacheflow_jax.core.pytree import TREES, tree_map
@@ -49,7 +50,12 @@ class Demand:
             with mover.lock:
                 mover.drain()
                 step = mover.begin(key)
+                if step[0] == "own" and step[2] is not None and can_move_in_place(mover, step[2]):
+                    step = ("moved", promote_in_place(mover, key, step[1], step[2]))
             if step[0] == "hit":
+                return step[1]
+            if step[0] == "moved":
+                mover.writeback.start()  # L2's victims may have been parked
                 return step[1]
             if step[0] == "own":
                 deadline = mover.deadline()
@@ -118,17 +124,17 @@ class Demand:
         # promotion left pending behind later accesses would be judged as a block that had
         # left the cache).
         late = []
-        for key in in_tiers:
+        i = 0
+        while i < len(in_tiers):
             try:
-                with mover.lock:
-                    mover.drain()
-                    step = mover.begin(key)
+                i, step = self._held(in_tiers, i, out)
             except BaseException as e:
                 mover.abandon(owned + late, e)
                 raise
-            if step[0] == "hit":
-                out[key] = step[1]
-            elif step[0] == "wait":
+            if step is None:
+                break
+            key = in_tiers[i - 1]
+            if step[0] == "wait":
                 waits.append((key, step[1]))
             elif step[2] is not None:
                 try:
@@ -137,6 +143,7 @@ class Demand:
                     first_error = first_error or e
             else:  # it left L2 while the blocks before it moved: read it too
                 late.append((key, step[1], None))
+        mover.writeback.start()  # in-place promotions may have parked L2's victims
         if late:
             try:
                 moved = [k for k, _, _ in late]
@@ -162,6 +169,26 @@ class Demand:
             else:
                 again.append(key)
         return again
+
+    def _held(self, keys: list[str], i: int, out: dict[str, Any]) -> tuple[int, tuple | None]:
+        """`Mover.begin` for ``keys[i:]`` in one hold of the lock, serving hits and promotions
+        that copy nothing (`cacheflow_jax.cache.in_place`), up to the first key whose step needs
+        work outside the lock; returns the index after that key and its step (None: no such key).
+        """
+        mover = self.mover
+        with mover.lock:
+            while i < len(keys):
+                key = keys[i]
+                i += 1
+                mover.drain()
+                step = mover.begin(key)
+                if step[0] == "hit":
+                    out[key] = step[1]
+                elif step[0] == "own" and step[2] is not None and can_move_in_place(mover, step[2]):
+                    out[key] = promote_in_place(mover, key, step[1], step[2])
+                else:
+                    return i, step
+        return i, None
 
     # ------------------------------------------------------------ embedding rows (`lookup`)
 

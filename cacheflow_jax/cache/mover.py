@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax.core.blocks import BlockInfo, StoreError, StoreTimeoutError
 from cacheflow_jax.planning.planner import REFUSED
-from cacheflow_jax.tiers.memory import MetadataTier, check_device_dtype
+from cacheflow_jax.tiers.memory import DeviceTier, HostTier, MetadataTier, check_device_dtype
 
 if TYPE_CHECKING:
     from cacheflow_jax.cache.counters import Counters
@@ -131,6 +131,9 @@ class Mover:
         self.expire_every = ttl / 64 if ttl else math.inf
         self.next_expire = -math.inf
         self.plan_access: Callable[[str, float], Any] = planner.access_function()
+        l1 = tiers[DEVICE]
+        self.in_place = (type(l1) is DeviceTier and l1.host_memory
+                         and (len(tiers) <= HOST or type(tiers[HOST]) is HostTier))  # fmt: skip
 
     # ------------------------------------------------------------------------- block facts
 
@@ -364,35 +367,49 @@ class Mover:
         ``key=None`` skips admission (explicit puts). A ``prefetch`` newcomer never waits for
         room and displaces only what the planner lets a prefetch displace.
         """
-        tier = self.tiers[tier_index]
-        if nbytes > tier.budget:
+        if nbytes > self.tiers[tier_index].budget:
             return False
         while True:
             with self.lock:
-                if tier.reserve(nbytes):
-                    return True
-                if self.planner.tracking:
-                    self.drain()  # a buffered hit on an unused prefetch makes it used first
-                taken = self.take_victim(tier_index, key, prefetch, rank)
-                if taken is None:
-                    if prefetch or not self.inflight:
-                        return False
-                    if tier_index == DEVICE and self.pins.bytes + nbytes > tier.budget:
-                        return False  # pins hold the room: no transfer will give it back
-                    # Every byte is reserved by transfers in flight: wait (without the lock)
-                    # until one of them releases room.
-                    self.room_waiters += 1
-                    try:
-                        self.room_changed.wait(0.01)
-                    finally:
-                        self.room_waiters -= 1
+                step = self.room_step(tier_index, nbytes, key, prefetch, rank)
+                if step is None:
+                    self.wait_room()
                     continue
-                if taken is REFUSED:
-                    return False
-                victim, destination = taken
-                value = tier.pop(victim)
+                if type(step) is bool:
+                    return step
+                victim, value, destination = step
                 self.inflight[victim] = Transit()
             self.evict_one(tier_index, victim, value, destination)
+
+    def room_step(
+        self, tier_index: int, nbytes: int, key: str | None, prefetch: bool, rank: int
+    ) -> bool | tuple[str, Any, int | None] | None:
+        """Under the lock: one step of `make_room`. Reserves ``nbytes`` (True), refuses (False),
+        takes the planner's next victim out of the tier (``(victim, value, destination)``), or
+        finds every byte reserved by transfers in flight (None: `wait_room`, then again)."""
+        tier = self.tiers[tier_index]
+        if tier.reserve(nbytes):
+            return True
+        if self.planner.tracking:
+            self.drain()  # a buffered hit on an unused prefetch makes it used first
+        taken = self.take_victim(tier_index, key, prefetch, rank)
+        if taken is REFUSED:
+            return False
+        if taken is not None:
+            return taken[0], tier.pop(taken[0]), taken[1]
+        if prefetch or not self.inflight:
+            return False
+        if tier_index == DEVICE and self.pins.bytes + nbytes > tier.budget:
+            return False  # pins hold the room: no transfer will give it back
+        return None
+
+    def wait_room(self) -> None:
+        """Under the lock: waits (the lock released meanwhile) until room is released, or 10 ms."""
+        self.room_waiters += 1
+        try:
+            self.room_changed.wait(0.01)
+        finally:
+            self.room_waiters -= 1
 
     def evict_one(
         self, tier_index: int, key: str, value: Any, destination: int | None

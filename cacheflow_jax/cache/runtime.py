@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from cacheflow_jax.cache.in_place import room_in_place
 from cacheflow_jax.cache.mover import DEVICE, Transit
 from cacheflow_jax.core.blocks import BlockInfo, BudgetError, CorruptBlockError
 from cacheflow_jax.core.pytree import flatten, is_tree, plain_leaves
@@ -59,7 +60,10 @@ class RuntimeBlocks:
                 "use device_layout='arrays' or put each leaf under its own key"
             )
         value = device.load(value)
-        transit = self._claim(key, info, kind, writeback)
+        transit = self._claim(key, info, kind, writeback, value)
+        if transit is None:  # installed in place, under the claim's hold of the lock
+            wb.start()
+            return
         try:
             if not mover.make_room(DEVICE, nbytes, None):
                 raise mover.pins.no_room(key, nbytes, device.budget)
@@ -76,9 +80,11 @@ class RuntimeBlocks:
         transit.finish(value=value)
         wb.start()
 
-    def _claim(self, key: str, info: Any, kind: str, writeback: bool) -> Transit:
+    def _claim(self, key: str, info: Any, kind: str, writeback: bool, value: Any) -> Transit | None:
         """Records the put under the lock once its key is not moving and write-back has room;
-        returns the put's transit (the block is on its way into L1)."""
+        returns the put's transit (the block is on its way into L1), or None if ``value`` is
+        already in L1: where L1's victims move down without copies (`Mover.in_place`), they
+        move and the block goes in under the same hold of the lock."""
         mover = self.mover
         nbytes, device, wb = info.nbytes, mover.tiers[DEVICE], mover.writeback
         deadline = mover.deadline()
@@ -108,6 +114,8 @@ class RuntimeBlocks:
                     mover.planner.access(key, mover.clock())
                     if stalled is not None:
                         wb.count_stall(time.perf_counter() - stalled)
+                    if mover.in_place and self._install_in_place(key, value, nbytes, transit):
+                        return None
                     return transit
             if transit is not None:
                 transit.wait()
@@ -115,6 +123,24 @@ class RuntimeBlocks:
             if stalled is None:
                 stalled = time.perf_counter()
             wb.wait_for_room(key, nbytes, deadline, mover.l3_timeout)
+
+    def _install_in_place(self, key: str, value: Any, nbytes: int, transit: Transit) -> bool:
+        """Under the lock: `put`'s room and install where L1's victims move down without copies
+        (`room_in_place`); False if there is no room (`put` then raises as usual)."""
+        mover = self.mover
+        try:
+            if not room_in_place(mover, DEVICE, nbytes, None):
+                return False
+            mover.install(DEVICE, key, value, nbytes)
+        except BaseException as e:
+            mover.leave(key, value)
+            mover.inflight.pop(key, None)
+            transit.finish(error=e)
+            raise
+        del mover.inflight[key]
+        mover.notify_room()
+        transit.finish(value=value)
+        return True
 
     def evict(self, key: str) -> bool:
         """See `TieredCache.evict`."""

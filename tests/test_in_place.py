@@ -1,0 +1,117 @@
+"""L2 -> L1 promotions that copy nothing (`cacheflow_jax.cache.in_place`): the same decisions as
+the general path, the same objects, and no runtime block lost."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cacheflow_jax as cfj
+import cacheflow_jax.cache.demand as demand
+
+KIB = 1 << 10
+
+
+def _kv(i: int) -> dict[str, Any]:
+    rng = np.random.default_rng(i)
+    return {"k": rng.standard_normal((2, 16, 8)).astype(np.float32),
+            "v": rng.standard_normal((2, 16, 8)).astype(np.float32)}  # fmt: skip
+
+
+def _drive(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any], list[bytes]]:
+    """Puts 60 pytree blocks (2 KiB each) into a small L1/L2 and reads them in a skewed order
+    through `get` and `get_many`; where every block ended up, the counters, and what was read."""
+    cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=8 * 2 * KIB,
+                            host_bytes=16 * 2 * KIB)  # fmt: skip
+    keys = [f"kv:{i}" for i in range(60)]
+    for i, key in enumerate(keys):
+        cache.put(key, _kv(i))
+    cache.flush()  # every block durable: no write-back timing in what follows
+    rng = np.random.default_rng(seed)
+    read = []
+    for step in range(300):
+        picks = [keys[int(j)] for j in rng.zipf(1.3, size=6) % 60]
+        got = cache.get_many(picks) if step % 2 else [cache.get(k) for k in picks]
+        read += [np.asarray(b["k"]).tobytes() + np.asarray(b["v"]).tobytes() for b in got]
+        for key, block in zip(picks, got):
+            want = _kv(int(key.split(":")[1]))
+            assert np.asarray(block["k"]).tobytes() == want["k"].tobytes(), key
+    cache.check_budgets()
+    stats = cache.stats()
+    where = [cache.locate(k) for k in keys]
+    cache.close()
+    return where, {"hits": stats["hits"], "misses": stats["misses"]}, read
+
+
+def test_in_place_promotions_decide_as_the_general_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = _drive(tmp_path / "fast", seed=3)
+    assert fast[1]["hits"]["host"] > 100  # the promotions under test happened
+    monkeypatch.setattr(demand, "can_move_in_place", lambda mover, value: False)
+    slow = _drive(tmp_path / "slow", seed=3)
+    assert fast == slow
+
+
+def test_an_in_place_promotion_returns_the_demoted_arrays(tmp_path: Path) -> None:
+    cache = cfj.TieredCache(cfj.open_store(tmp_path / "s", create=True), device_bytes=2 * KIB,
+                            host_bytes=8 * KIB, policy="lru")  # fmt: skip
+    cache.put("a", _kv(0))
+    first = cache.get("a")
+    cache.put("b", _kv(1))  # L1 holds one block: "a" goes down to L2
+    assert cache.locate("a") == "host"
+    again = cache.get("a")
+    assert cache.locate("a") == "device" and cache.locate("b") == "host"
+    assert again["k"] is first["k"] and again["v"] is first["v"]  # no copy either way
+    assert again["k"].committed and again["k"].sharding == first["k"].sharding
+    assert cache.stats()["hits"]["host"] == 1
+
+
+def test_runtime_blocks_pushed_out_by_in_place_promotions_stay_durable(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=4 * 2 * KIB,
+                            host_bytes=4 * 2 * KIB, policy="lru")  # fmt: skip
+    for i in range(40):
+        cache.put(f"kv:{i}", _kv(i))
+        if i >= 8:
+            cache.get_many([f"kv:{i - 8}", f"kv:{i - 4}"])  # promotions push blocks out of L2
+    cache.close()
+    with cfj.TieredCache(cfj.open_store(root), device_bytes=4 * 2 * KIB, host_bytes=0) as again:
+        for i in range(40):
+            got = again.get(f"kv:{i}")
+            assert np.asarray(got["v"]).tobytes() == _kv(i)["v"].tobytes(), i
+
+
+def test_concurrent_in_place_promotions_keep_budgets_and_bytes(tmp_path: Path) -> None:
+    cache = cfj.TieredCache(cfj.open_store(tmp_path / "s", create=True), device_bytes=3 * 2 * KIB,
+                            host_bytes=5 * 2 * KIB)  # fmt: skip
+    for i in range(30):
+        cache.put(f"kv:{i}", _kv(i))
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                picks = [f"kv:{int(j)}" for j in rng.integers(0, 30, size=3)]
+                for key, block in zip(picks, cache.get_many(picks)):
+                    want = _kv(int(key.split(":")[1]))["k"].tobytes()
+                    assert np.asarray(block["k"]).tobytes() == want, key
+                cache.check_budgets()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert not errors, errors[0]
+    cache.check_budgets()
+    assert cache.stats()["hits"]["host"] > 0  # L2 hits were promoted while others read
+    cache.close()
