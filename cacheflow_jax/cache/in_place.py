@@ -4,15 +4,15 @@ On JAX's CPU backend a block in L1 is a ``jax.Array`` in host memory, and L2 kee
 they are (`HostTier`), so promoting a block from L2 and demoting L1's victims to L2 move no bytes.
 `Mover.finish` would still release the lock between the victims and register a `Transit` for
 each; `promote_in_place` makes the same moves and the same decisions in one hold of the lock
-(nothing in it waits on a transfer). `cacheflow_jax.cache.demand` uses it for every L2 hit it can,
-and `put` (`cacheflow_jax.cache.runtime`) to make room in L1.
+(nothing in it waits on a transfer). `cacheflow_jax.cache.demand` uses it for every L2 hit it can;
+`Mover.make_room` and `put` make room the same way (`cacheflow_jax.cache.mover.room_in_place`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cacheflow_jax.cache.mover import DEVICE, HOST, Transit
+from cacheflow_jax.cache.mover import DEVICE, HOST, room_in_place
 from cacheflow_jax.core.pytree import TREES, leaves_of
 
 if TYPE_CHECKING:
@@ -66,37 +66,3 @@ def promote_in_place(mover: Mover, key: str, info: BlockInfo, source: Any) -> An
         raise
     transit.finish(value=value)
     return value
-
-
-def room_in_place(mover: Mover, tier_index: int, nbytes: int, key: str | None) -> bool:
-    """Under the lock: `Mover.make_room` where moving a victim down copies nothing, so the
-    victims move without the lock being released: the same decisions.
-
-    ``key=None``: no admission (a put). If it must wait for room (`Mover.wait_room` releases
-    the lock), ``key`` is first registered in transit unless it already is (a victim on its
-    way down is then in no tier): readers wait for it instead of missing it. The caller
-    finishes that transit.
-    """
-    if nbytes > mover.tiers[tier_index].budget:
-        return False
-    while True:
-        step = mover.room_step(tier_index, nbytes, key, False, 1)
-        if step is None:
-            if key is not None and key not in mover.inflight:
-                mover.inflight[key] = Transit()
-            mover.wait_room()
-            continue
-        if type(step) is bool:
-            return step
-        victim, value, destination = step
-        size = mover.info(victim).nbytes
-        if destination == HOST and room_in_place(mover, HOST, size, victim):
-            mover.tiers[HOST].put_reserved(victim, value, size)  # L1's arrays: L2's too
-            mover.planner.insert(HOST, victim, mover.clock(), size)
-        else:
-            mover.leave(victim, value)
-        transit = mover.inflight.pop(victim, None)  # registered if it waited for L2's room
-        if transit is not None:
-            transit.finish()
-        mover.tiers[tier_index].release(size)
-        mover.notify_room()

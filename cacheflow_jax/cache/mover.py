@@ -369,6 +369,9 @@ class Mover:
         """
         if nbytes > self.tiers[tier_index].budget:
             return False
+        if self.in_place and not prefetch:
+            with self.lock:  # victims move down without copies: no need to release the lock
+                return room_in_place(self, tier_index, nbytes, key)
         while True:
             with self.lock:
                 step = self.room_step(tier_index, nbytes, key, prefetch, rank)
@@ -533,3 +536,39 @@ class Mover:
                 value = tier.pop(key)
                 tier.release(self.info(key).nbytes)
                 self.leave(key, value)  # the write starts after the lock is released
+
+
+def room_in_place(
+    mover: Mover, tier_index: int, nbytes: int, key: str | None, *, moving: bool = False
+) -> bool:
+    """Under the lock: `Mover.make_room` where moving a victim down copies nothing
+    (`Mover.in_place`), so the victims move without the lock being released: the same decisions.
+
+    ``key=None``: no admission (a put, a reservation). ``moving``: ``key`` is a victim on its way
+    down, in no tier; if this must wait for room (`Mover.wait_room` releases the lock), it is
+    first registered in transit, so that readers wait for it instead of missing it (the caller
+    finishes that transit). Any other ``key`` is in transit already, or None.
+    """
+    if nbytes > mover.tiers[tier_index].budget:
+        return False
+    while True:
+        step = mover.room_step(tier_index, nbytes, key, False, 1)
+        if step is None:
+            if moving and key not in mover.inflight:
+                mover.inflight[key] = Transit()
+            mover.wait_room()
+            continue
+        if type(step) is bool:
+            return step
+        victim, value, destination = step
+        size = mover.info(victim).nbytes
+        if destination == HOST and room_in_place(mover, HOST, size, victim, moving=True):
+            mover.tiers[HOST].put_reserved(victim, value, size)  # L1's arrays: L2's too
+            mover.planner.insert(HOST, victim, mover.clock(), size)
+        else:
+            mover.leave(victim, value)
+        transit = mover.inflight.pop(victim, None)  # registered if it waited for L2's room
+        if transit is not None:
+            transit.finish()
+        mover.tiers[tier_index].release(size)
+        mover.notify_room()

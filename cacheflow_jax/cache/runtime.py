@@ -12,8 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from cacheflow_jax.cache.in_place import room_in_place
-from cacheflow_jax.cache.mover import DEVICE, Transit
+from cacheflow_jax.cache.mover import DEVICE, Transit, room_in_place
 from cacheflow_jax.core.blocks import BlockInfo, BudgetError, CorruptBlockError
 from cacheflow_jax.core.pytree import flatten, is_tree, plain_leaves
 from cacheflow_jax.store.runtime_format import check_runtime_key, numeric
