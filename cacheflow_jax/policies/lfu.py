@@ -63,7 +63,7 @@ import dataclasses
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from cacheflow_jax.policies.base import Key, Policy, check_ttl
 from cacheflow_jax.policies.minisim import MiniSims
@@ -81,6 +81,7 @@ CLOSE_SAMPLE = 2  # while the shadows sample >= 1 key in 2 (<= 128 blocks), vote
 SIGNIFICANCE = 2.0  # ... by this many standard deviations (z) before the share moves
 _MIN_GHOSTS = 64  # ghost keys kept whatever the bytes (a cache of a few huge blocks needs some)
 _NEVER = -math.inf  # the score before a first access
+_log2 = math.log2
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -175,72 +176,9 @@ def lfu(
     if half_life is not None and not half_life > 0:
         raise ValueError(f"half_life={half_life!r} must be > 0 accesses (math.inf: no decay)")
     ttl_s = check_ttl(ttl)
-    timed = ttl_s != math.inf
-    log2 = math.log2
 
     def init(num_tiers: int) -> LfuState:
         return _new_state(num_tiers, window, half_life, ttl_s)
-
-    def access(state: LfuState, key: Key, now: float) -> None:
-        if state.moving:
-            _settle(state)
-        tick = state.tick = state.tick + 1
-        base = tick * state.rate
-        score = state.score
-        old = score.get(key)
-        if old is None:
-            score[key] = base
-            old = _NEVER
-            if state.sims is not None:
-                state.sims.new_key(key)
-        else:
-            x = old - base  # log2 of the count now
-            score[key] = base + (log2(1.0 + 2.0**x) if x < 50.0 else x)
-        if timed:
-            state.last[key] = now
-        window = state.window
-        if key in window:
-            window.move_to_end(key)
-            state.before[key] = old
-            hit = True
-        elif key in state.protected:
-            state.protected.move_to_end(key)
-            hit = True
-        elif key in state.probation:
-            _promote(state, key)
-            hit = True
-        else:
-            hit = False
-            ghost = state.ghosts.pop(key, None)
-            if ghost is not None:
-                state.ghost_bytes -= ghost[0]
-                if state.adaptive:
-                    _vote(state, ghost)
-                if state.cold:
-                    _warm(state)
-            state.before[key] = old
-        if hit and state.cold:
-            _warm(state)
-        if state.tier_of is not None:  # for victim: is this access a miss of the whole cache?
-            state.current = key
-            state.missing = not hit
-            state.loser = state.drop = None
-        sims = state.sims
-        if sims is not None and (not sims.mask or key in sims.members):
-            if hit:
-                # (``None`` tests, not ``or``: a zero-length block has 0 bytes)
-                nbytes = window.get(key)
-                if nbytes is None:
-                    nbytes = state.protected.get(key)
-                    if nbytes is None:
-                        nbytes = state.probation[key]
-                jump = sims.step(key, nbytes, True, state.resident, state.count, state.share)
-                if jump is not None:
-                    _jump(state, jump)
-            else:
-                state.pending = key  # its size comes with its insert
-        if tick >= state.next_rate_check:
-            _check_rate(state)
 
     def describe(state: LfuState) -> dict:
         return {
@@ -255,12 +193,8 @@ def lfu(
             "ttl": None if state.ttl == math.inf else state.ttl,
         }
 
-    def hits(state: LfuState, keys: Sequence[Key], now: float) -> None:
-        _hits(state, keys, now, access)
-
-    return Policy(
-        name, init, access, _insert, _remove, _victim, _admit, _expired, describe, hits
-    )
+    return Policy(name, init, _access, _insert, _remove, _victim, _admit, _expired, describe,
+                  _hits)  # fmt: skip
 
 
 def lfu_plain(*, ttl: float | None = 86400.0) -> Policy:
@@ -269,78 +203,184 @@ def lfu_plain(*, ttl: float | None = 86400.0) -> Policy:
 
 
 # ---------------------------------------------------------------- the rest of the Policy
-# (what needs nothing but the state; `access`, the hot one, stays a closure in `lfu`)
 
 
-def _hits(
-    state: LfuState, keys: Sequence[Key], now: float, access: Callable[..., None]
-) -> None:
+def _access(state: LfuState, key: Key, now: float) -> None:
+    """`lfu`'s ``access``: one access of ``key`` (a hit or a miss) at ``now``."""
+    if state.moving:
+        _settle(state)
+    tick = state.tick = state.tick + 1
+    base = tick * state.rate
+    score = state.score
+    old = score.get(key)
+    if old is None:
+        score[key] = base
+        old = _NEVER
+        if state.sims is not None:
+            state.sims.new_key(key)
+    else:
+        x = old - base  # log2 of the count now
+        score[key] = base + (_log2(1.0 + 2.0**x) if x < 50.0 else x)
+    if state.timed:
+        state.last[key] = now
+    nbytes = state.probation.pop(key, None)  # (segments are disjoint: any order of tests)
+    if nbytes is not None:  # a probation hit: protected's oldest overflow go back
+        state.protected[key] = nbytes
+        state.probation_bytes -= nbytes
+        protected_bytes = state.protected_bytes = state.protected_bytes + nbytes
+        if protected_bytes > PROTECTED * (state.resident - state.window_bytes):
+            _demote(state)
+        hit = True
+    elif key in state.protected:
+        state.protected.move_to_end(key)
+        hit = True
+    elif key in state.window:
+        state.window.move_to_end(key)
+        state.before[key] = old
+        hit = True
+    else:
+        hit = False
+        ghost = state.ghosts.pop(key, None)
+        if ghost is not None:
+            state.ghost_bytes -= ghost[0]
+            if state.adaptive:
+                _vote(state, ghost)
+            if state.cold:
+                _warm(state)
+        state.before[key] = old
+    if hit and state.cold:
+        _warm(state)
+    if state.tier_of is not None:  # for victim: is this access a miss of the whole cache?
+        state.current = key
+        state.missing = not hit
+        state.loser = state.drop = None
+    sims = state.sims
+    if sims is not None and (not sims.mask or key in sims.members):
+        if hit:
+            if nbytes is None:  # (``None`` tests, not ``or``: a block may have 0 bytes)
+                nbytes = state.protected.get(key)
+                if nbytes is None:
+                    nbytes = state.window[key]
+            jump = sims.step(key, nbytes, True, state.resident, state.count, state.share)
+            if jump is not None:
+                _jump(state, jump)
+        else:
+            state.pending = key  # its size comes with its insert
+    if tick >= state.next_rate_check:
+        _check_rate(state)
+
+
+def _held(state: LfuState, key: Key) -> None:
+    """`_access` of a key a shadow holds: in a shadow's state (one tier, a fixed share, no TTL,
+    no shadows) a hit needs none of the checks `_access` makes first."""
+    tick = state.tick = state.tick + 1
+    base = tick * state.rate
+    score = state.score
+    old = score[key]
+    x = old - base  # log2 of the count now
+    score[key] = base + (_log2(1.0 + 2.0**x) if x < 50.0 else x)
+    nbytes = state.probation.pop(key, None)
+    if nbytes is not None:  # as in `_access`
+        state.protected[key] = nbytes
+        state.probation_bytes -= nbytes
+        protected_bytes = state.protected_bytes = state.protected_bytes + nbytes
+        if protected_bytes > PROTECTED * (state.resident - state.window_bytes):
+            _demote(state)
+    elif key in state.protected:
+        state.protected.move_to_end(key)
+    else:
+        state.window.move_to_end(key)
+        state.before[key] = old
+    if tick >= state.next_rate_check:
+        _check_rate(state)
+
+
+def _hits(state: LfuState, keys: Sequence[Key], now: float) -> None:
     """`access` of each of ``keys`` in turn (the cache's buffered L1 hits), with the common case
     inline: a resident key's hit while nothing else is due (no move to settle, not cold).
-    Anything else goes through ``access`` itself, so the result is the same to the bit."""
-    score, window, protected, probation = state.score, state.window, state.protected, state.probation
-    before, last, timed, log2 = state.before, state.last, state.timed, math.log2
+    Anything else goes through ``access`` itself, so the result is the same to the bit.
+
+    The counters a hit changes (the tick, the SLRU's bytes) live in locals over the loop; they
+    go back to the state before anything else reads it (``access``, the shadows, the
+    half-life's check) and at the end.
+    """
+    score, window, protected = state.score, state.window, state.protected
+    probation, before, last, timed, log2 = (
+        state.probation, state.before, state.last, state.timed, math.log2)
+    score_get, probation_pop, demote = score.get, probation.pop, protected.popitem
+    protected_to_end, window_to_end = protected.move_to_end, window.move_to_end
     placed = state.tier_of is not None
     sims = state.sims
-    members = sims.members if sims is not None else None
-    rate = state.rate
-    popfirst = protected.popitem
+    members = sims.members if sims is not None else ()
+    everyone = sims is not None and not sims.mask  # the shadows see every key
+    rate, tick, next_check = state.rate, state.tick, state.next_rate_check
+    probation_bytes, protected_bytes = state.probation_bytes, state.protected_bytes
+    limit = PROTECTED * (state.resident - state.window_bytes)  # no hit changes it
+    busy = state.moving or state.cold
     for key in keys:
-        if state.moving or state.cold:
-            access(state, key, now)
-            rate = state.rate
-            continue
-        if key in window:
-            segment = window
-        elif key in protected:
-            segment = protected
-        elif key in probation:
-            segment = probation
+        old = score_get(key)
+        if busy or old is None:
+            nbytes = segment = None
         else:
-            segment = None
-        old = score.get(key)
-        if segment is None or old is None:  # not a hit after all
-            access(state, key, now)
-            rate = state.rate
+            nbytes = probation_pop(key, None)
+            if nbytes is not None:  # a probation hit, as in `_access`
+                protected[key] = nbytes
+                probation_bytes -= nbytes
+                protected_bytes += nbytes
+                while protected_bytes > limit and len(protected) > 1:
+                    oldest, n = demote(False)
+                    protected_bytes -= n
+                    probation[oldest] = n
+                    probation_bytes += n
+                segment = protected
+            elif key in protected:
+                protected_to_end(key)
+                segment = protected
+            elif key in window:
+                window_to_end(key)
+                before[key] = old
+                segment = window
+            else:
+                segment = None
+        if segment is None:  # not a plain hit: `access` itself
+            state.tick, state.probation_bytes = tick, probation_bytes
+            state.protected_bytes = protected_bytes
+            _access(state, key, now)
+            tick, rate, next_check = state.tick, state.rate, state.next_rate_check
+            probation_bytes, protected_bytes = state.probation_bytes, state.protected_bytes
+            limit = PROTECTED * (state.resident - state.window_bytes)
+            busy = state.moving or state.cold
+            members = sims.members if sims is not None else ()
+            everyone = sims is not None and not sims.mask
             continue
-        tick = state.tick = state.tick + 1
+        tick += 1
         base = tick * rate
         x = old - base  # log2 of the count now
         score[key] = base + (log2(1.0 + 2.0**x) if x < 50.0 else x)
         if timed:
             last[key] = now
-        if segment is window:
-            window.move_to_end(key)
-            before[key] = old
-        elif segment is protected:
-            protected.move_to_end(key)
-        else:  # _promote, inline
-            nbytes = probation.pop(key)
-            protected[key] = nbytes
-            probation_bytes = state.probation_bytes - nbytes
-            protected_bytes = state.protected_bytes + nbytes
-            limit = PROTECTED * (state.resident - state.window_bytes)
-            while protected_bytes > limit and len(protected) > 1:
-                oldest, n = popfirst(last=False)
-                protected_bytes -= n
-                probation[oldest] = n
-                probation_bytes += n
-            state.probation_bytes = probation_bytes
-            state.protected_bytes = protected_bytes
-            segment = protected
         if placed:
             state.current = key
             state.missing = False
             state.loser = state.drop = None
-        if sims is not None and (not sims.mask or key in members):
-            jump = sims.step(key, segment[key], True, state.resident, state.count, state.share)
+        if everyone or key in members:
+            state.tick, state.probation_bytes = tick, probation_bytes
+            state.protected_bytes = protected_bytes
+            if nbytes is None:
+                nbytes = segment[key]
+            jump = sims.step(key, nbytes, True, state.resident, state.count, state.share)
             if jump is not None:
                 _jump(state, jump)
+                probation_bytes = state.probation_bytes
+                limit = PROTECTED * (state.resident - state.window_bytes)
             members = sims.members
-            rate = state.rate
-        if tick >= state.next_rate_check:
+            everyone = not sims.mask
+        if tick >= next_check:
+            state.tick = tick
             _check_rate(state)
-            rate = state.rate
+            rate, next_check = state.rate, state.next_rate_check
+    state.tick, state.probation_bytes = tick, probation_bytes
+    state.protected_bytes = protected_bytes
 
 
 def _new_state(
@@ -357,7 +397,7 @@ def _new_state(
         state.cold = True
         state.sims = MiniSims(
             lambda w: lfu(window=w, half_life=half_life, ttl=None), CANDIDATES,
-            sample=int(SAMPLE_BLOCKS), lead=JUMP_LEAD, known=state.score)
+            sample=int(SAMPLE_BLOCKS), lead=JUMP_LEAD, known=state.score, hit=_held)
     else:
         state.share = float(window)
     if half_life is not None:
@@ -515,17 +555,14 @@ def _to_probation(state: LfuState, key: Key) -> None:
     state.probation_bytes += nbytes
 
 
-def _promote(state: LfuState, key: Key) -> None:
-    """A probation hit: ``key`` becomes protected; protected's oldest overflow go back."""
-    nbytes = state.probation.pop(key)
-    state.probation_bytes -= nbytes
-    state.protected[key] = nbytes
-    state.protected_bytes += nbytes
+def _demote(state: LfuState) -> None:
+    """Protected's oldest go back to probation's recent end while protected is over its share."""
+    protected, probation = state.protected, state.probation
     limit = PROTECTED * (state.resident - state.window_bytes)
-    while state.protected_bytes > limit and len(state.protected) > 1:
-        old, n = state.protected.popitem(last=False)
+    while state.protected_bytes > limit and len(protected) > 1:
+        old, n = protected.popitem(False)
         state.protected_bytes -= n
-        state.probation[old] = n
+        probation[old] = n
         state.probation_bytes += n
 
 

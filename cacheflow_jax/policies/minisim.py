@@ -13,9 +13,12 @@ accesses touch the shadows; telling a sampled key from another is one set lookup
 
 from __future__ import annotations
 
+import math
+import operator
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from cacheflow_jax.policies.base import Key, Policy
 
@@ -28,32 +31,41 @@ def key_hash(key: Key) -> int:
 class Shadow:
     """A policy at one fixed setting over a cache of the sampled bytes, counting its hits."""
 
-    __slots__ = ("setting", "policy", "state", "sizes", "used", "hits")
+    __slots__ = ("setting", "policy", "state", "sizes", "used", "hits", "_access", "_victim",
+                 "_remove", "_insert", "_hit")
 
-    def __init__(self, setting: float, policy: Policy) -> None:
+    def __init__(
+        self, setting: float, policy: Policy, hit: Callable[[Any, Key], None] | None = None
+    ) -> None:
         self.setting = setting
         self.policy = policy
         self.state = policy.init(1)
         self.sizes: dict = {}  # resident key -> nbytes
         self.used = 0
         self.hits = 0
+        # The policy's functions, bound once (a NamedTuple's fields cost a lookup each).
+        self._access, self._victim = policy.access, policy.victim
+        self._remove, self._insert = policy.remove, policy.insert
+        self._hit = hit or (lambda state, key: policy.access(state, key, 0.0))
 
     def step(self, key: Key, nbytes: int, budget: float) -> None:
         """One sampled access of ``key`` (``nbytes``) to a cache of ``budget`` bytes."""
-        policy, state, sizes = self.policy, self.state, self.sizes
-        policy.access(state, key, 0.0)
+        state, sizes = self.state, self.sizes
         if key in sizes:
+            self._hit(state, key)
             self.hits += 1
             return
+        self._access(state, key, 0.0)
         if nbytes > budget:
             return
-        while self.used + nbytes > budget and sizes:
-            gone = policy.victim(state, 0)
-            self.used -= sizes.pop(gone)
-            policy.remove(state, 0, gone)
-        policy.insert(state, 0, key, 0.0, nbytes)
+        used = self.used
+        while used + nbytes > budget and sizes:
+            gone = self._victim(state, 0)
+            used -= sizes.pop(gone)
+            self._remove(state, 0, gone)
+        self._insert(state, 0, key, 0.0, nbytes)
         sizes[key] = nbytes
-        self.used += nbytes
+        self.used = used + nbytes
 
     def prune(self, keep: Callable[[Key], bool]) -> None:
         """Evicts the residents that left the sample."""
@@ -96,6 +108,9 @@ class LruShadow:
 class MiniSims:
     """Shadows of ``make(setting)`` per setting, refereeing the live cache on sampled accesses.
 
+    ``hit(state, key)``, if given, is ``make(s).access(state, key, 0.0)`` for a key the shadow
+    holds, only faster (`lfu` passes one).
+
     Each shadow and the live cache count their hits on the sampled accesses since the last
     jump. When the shadow with the most hits leads, by ``lead`` times the blocks a shadow holds,
     the lower of the live cache and the shadow nearest the live setting (the lower setting on a
@@ -106,13 +121,13 @@ class MiniSims:
     """
 
     __slots__ = ("shadows", "shift", "mask", "members", "known", "budget", "live", "sample",
-                 "lead")
+                 "lead", "near", "near_setting")
 
     def __init__(
         self, make: Callable[[float], Policy], settings: Sequence[float], *, sample: int,
-        lead: float, known: Iterable[Key],
+        lead: float, known: Iterable[Key], hit: Callable[[Any, Key], None] | None = None,
     ) -> None:
-        self.shadows = [LruShadow() if s == 1.0 else Shadow(s, make(s)) for s in settings]
+        self.shadows = [LruShadow() if s == 1.0 else Shadow(s, make(s), hit) for s in settings]
         self.shift = 0  # a key is sampled when the low ``shift`` bits of its hash are 0
         self.mask = 0
         self.members: set = set()  # the sampled keys among ``known`` (only while mask != 0)
@@ -121,6 +136,8 @@ class MiniSims:
         self.live = 0  # the live cache's hits on sampled accesses since the last jump
         self.sample = sample
         self.lead = lead
+        self.near = self.shadows[0]  # the shadow nearest ``near_setting`` (the lower on a tie)
+        self.near_setting = math.nan  # the live setting ``near`` was found for (none yet)
 
     def sampled(self, key: Key) -> bool:
         """Is ``key`` in the sample (computed from its hash)?"""
@@ -140,32 +157,36 @@ class MiniSims:
         Returns:
           The setting to jump to, or None.
         """
-        budget = resident / (1 << self.shift)
+        shift = self.shift
+        budget = resident / (1 << shift)
         if budget > self.budget:
             self.budget = budget
-        if count >> self.shift > 2 * self.sample:  # the cache outgrew the sample: halve the rate
-            self.shift += 1
-            self.mask = (1 << self.shift) - 1
+        if count >> shift > 2 * self.sample:  # the cache outgrew the sample: halve the rate
+            shift = self.shift = shift + 1
+            self.mask = (1 << shift) - 1
             self.budget /= 2
             self.members = {k for k in self.known if self.sampled(k)}
             for shadow in self.shadows:
                 shadow.prune(self.sampled)
             if key not in self.members:
                 return None
-        for shadow in self.shadows:
-            shadow.step(key, nbytes, self.budget)
-        self.live += hit
-        leader = max(self.shadows, key=_hits)
-        need = self.lead * max(count >> self.shift, 8)
-        if leader.hits - self.live < need:
-            near = min(self.shadows, key=lambda shadow: abs(shadow.setting - setting))
-            if leader.hits - near.hits < need:
+        budget = self.budget
+        shadows = self.shadows
+        for shadow in shadows:
+            shadow.step(key, nbytes, budget)
+        live = self.live = self.live + hit
+        leader = max(shadows, key=_hits)
+        need = self.lead * max(count >> shift, 8)
+        if leader.hits - live < need:
+            if setting != self.near_setting:
+                self.near_setting = setting
+                self.near = min(shadows, key=lambda shadow: abs(shadow.setting - setting))
+            if leader.hits - self.near.hits < need:
                 return None
-        for shadow in self.shadows:
+        for shadow in shadows:
             shadow.hits = 0
         self.live = 0
         return leader.setting
 
 
-def _hits(shadow: Shadow | LruShadow) -> int:
-    return shadow.hits
+_hits = operator.attrgetter("hits")
