@@ -509,9 +509,11 @@ class Mover:
             # where the policy has `hits`), and the count.
             policy = planner.policy
             keys = [popleft() for _ in range(count)]
-            info = self.info
-            for key in keys:
-                nbytes += size_of(key) or info(key).nbytes
+            try:
+                nbytes = sum(map(size_of, keys))
+            except TypeError:  # a block left L1 since its hit: the store knows its size
+                info = self.info
+                nbytes = sum(size_of(key) or info(key).nbytes for key in keys)
             if policy.hits is not None:
                 policy.hits(planner.state, keys, now)
             else:
