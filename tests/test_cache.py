@@ -572,8 +572,11 @@ def test_get_many_starts_l3_reads_before_it_promotes_l2_blocks(tmp_path) -> None
     assert len(in_l2) == 2
     events = []
     read_many, load = cache.store.read_many, cache.tiers[0].load
+    load_many = cache.tiers[0].load_many  # L3 blocks read together move in one transfer
     cache.store.read_many = lambda ks: (events.append(("read", tuple(ks))), read_many(ks))[1]
     cache.tiers[0].load = lambda v, **kw: (events.append(("promote",)), load(v, **kw))[1]
+    cache.tiers[0].load_many = lambda vs, **kw: (
+        events.extend([("promote",)] * len(vs)), load_many(vs, **kw))[1]  # fmt: skip
     batch = [in_l2[0], keys[4], in_l2[1], keys[5]]
     got = cache.get_many(batch)
     assert events[0] == ("read", (keys[4], keys[5])), events

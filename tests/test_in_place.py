@@ -35,6 +35,8 @@ def _drive(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any], lis
     read = []
     for step in range(300):
         picks = [keys[int(j)] for j in rng.zipf(1.3, size=6) % 60]
+        if step % 10 == 5:  # a batch of blocks mostly only L3 holds: read and moved together
+            picks = [keys[int(j)] for j in rng.integers(0, 60, size=8)]
         got = cache.get_many(picks) if step % 2 else [cache.get(k) for k in picks]
         read += [np.asarray(b["k"]).tobytes() + np.asarray(b["v"]).tobytes() for b in got]
         for key, block in zip(picks, got):
@@ -50,8 +52,20 @@ def _drive(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any], lis
 def test_in_place_promotions_decide_as_the_general_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import cacheflow_jax.cache.demand as demand_module
+
+    batched = []
+    real = demand_module.finish_in_place
+
+    def spy(mover: Any, owned: list, *args: Any) -> list:
+        rest = real(mover, owned, *args)
+        batched.append(len(owned) - len(rest))
+        return rest
+
+    monkeypatch.setattr(demand_module, "finish_in_place", spy)
     fast = _drive(tmp_path / "fast", seed=3)
     assert fast[1]["hits"]["host"] > 100  # the promotions under test happened
+    assert sum(batched) > 50 and max(batched) >= 3  # so did batches of L3 reads moved at once
     # No L1 tier counts as one whose victims move without copies: the general path throughout.
     monkeypatch.setattr(mover_module, "DeviceTier", type("NoTier", (), {}))
     slow = _drive(tmp_path / "slow", seed=3)
@@ -116,3 +130,37 @@ def test_concurrent_in_place_promotions_keep_budgets_and_bytes(tmp_path: Path) -
     cache.check_budgets()
     assert cache.stats()["hits"]["host"] > 0  # L2 hits were promoted while others read
     cache.close()
+
+
+def _stage(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any]]:
+    """Puts 80 blocks, then stages batches of 10 from L3 into an L2 of 6 between skewed reads;
+    where every block ended up and the counters."""
+    cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=6 * 2 * KIB,
+                            host_bytes=6 * 2 * KIB)  # fmt: skip
+    keys = [f"kv:{i}" for i in range(80)]
+    for i, key in enumerate(keys):
+        cache.put(key, _kv(i))
+    cache.flush()
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        start = int(rng.integers(0, 70))
+        cache.prefetch(keys[start : start + 10]).result()
+        staged = [keys[start + int(j)] for j in rng.integers(0, 10, size=3)]
+        got = cache.get_many(staged + [keys[int(j)] for j in rng.zipf(1.3, size=5) % 80])
+        assert all(b["k"].shape == (2, 16, 8) for b in got)
+    cache.check_budgets()
+    stats = cache.stats()
+    where = [cache.locate(k) for k in keys]
+    cache.close()
+    return where, {"hits": stats["hits"], "misses": stats["misses"],
+                   "staged": stats["prefetch"]["staged"]}  # fmt: skip
+
+
+def test_in_place_staging_decides_as_the_general_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = _stage(tmp_path / "fast", seed=5)
+    assert fast[1]["staged"] > 50  # blocks went into L2 in batches
+    monkeypatch.setattr(mover_module, "DeviceTier", type("NoTier", (), {}))
+    slow = _stage(tmp_path / "slow", seed=5)
+    assert fast == slow

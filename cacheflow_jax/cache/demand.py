@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from cacheflow_jax.cache.in_place import can_move_in_place, promote_in_place
+from cacheflow_jax.cache.in_place import can_move_in_place, finish_in_place, promote_in_place
 from cacheflow_jax.cache.mover import DEVICE, HOST, Transit
 from cacheflow_jax.core.blocks import BudgetError
 from cacheflow_jax.core.pytree import TREES, tree_map
@@ -152,6 +152,8 @@ class Demand:
                 mover.abandon(owned + late, e)
                 raise
             owned += late
+        if mover.in_place and len(owned) > 1:
+            owned = finish_in_place(mover, owned, futures, out, deadline)
         for key, info, src in owned:
             try:
                 out[key] = mover.finish(key, info, src, futures.get(key), deadline)

@@ -6,6 +6,9 @@ they are (`HostTier`), so promoting a block from L2 and demoting L1's victims to
 each; `promote_in_place` makes the same moves and the same decisions in one hold of the lock
 (nothing in it waits on a transfer). `cacheflow_jax.cache.demand` uses it for every L2 hit it can;
 `Mover.make_room` and `put` make room the same way (`cacheflow_jax.cache.mover.room_in_place`).
+`finish_in_place` does the same for a batch of blocks read from L3: one transfer to the device
+for all of them, then their installs in one hold of the lock, in the order `Mover.finish` would
+make them one by one.
 """
 
 from __future__ import annotations
@@ -66,3 +69,53 @@ def promote_in_place(mover: Mover, key: str, info: BlockInfo, source: Any) -> An
         raise
     transit.finish(value=value)
     return value
+
+
+def finish_in_place(
+    mover: Mover, owned: list[tuple[str, BlockInfo, Any]], futures: dict[str, Any],
+    out: dict[str, Any], deadline: float | None,
+) -> list[tuple[str, BlockInfo, Any]]:  # fmt: skip
+    """`Mover.finish` for the L3 reads of ``owned`` (those with no source) where moves copy
+    nothing (`Mover.in_place`): the blocks read go to the device in one ``jax.device_put`` and
+    are installed under one hold of the lock, in ``owned``'s order, with the same decisions
+    (`promote_in_place`); their values go into ``out``.
+
+    Returns the entries left to `Mover.finish`, in order: blocks with a source (L2 or parked),
+    and reads that failed or timed out (`finish` raises their error and releases them). If the
+    batch cannot move at once (a dtype the device would change), every entry is returned.
+
+    Raises:
+      BaseException: an install failed; every entry not installed was released with it.
+    """
+    batch, rest, raws = [], [], []
+    for entry in owned:
+        key, _, source = entry
+        future = futures.get(key)
+        if source is not None or future is None:
+            rest.append(entry)
+            continue
+        try:
+            raws.append(mover.read_result(key, future, deadline))
+        except BaseException:
+            rest.append(entry)  # `finish` sees the same error (the future keeps it)
+            continue
+        batch.append(entry)
+    if len(batch) < 2:
+        return owned  # nothing to gain over `finish`
+    try:
+        values = mover.tiers[DEVICE].load_many(raws, owned=True)
+    except BaseException:
+        return owned  # `finish` raises for the keys that cannot move
+    done = 0
+    try:
+        with mover.lock:
+            for (key, info, _), value in zip(batch, values):
+                out[key] = promote_in_place(mover, key, info, value)
+                done += 1
+    except BaseException as e:  # the blocks not installed yet are released: none may hang
+        mover.abandon(batch[done + 1 :], e)  # promote_in_place released the one that failed
+        mover.abandon(rest, e)
+        raise
+    finally:
+        mover.writeback.start()  # L1's and L2's victims may have been parked
+    return rest

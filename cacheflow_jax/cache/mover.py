@@ -541,20 +541,22 @@ class Mover:
 
 
 def room_in_place(
-    mover: Mover, tier_index: int, nbytes: int, key: str | None, *, moving: bool = False
-) -> bool:
+    mover: Mover, tier_index: int, nbytes: int, key: str | None, *, moving: bool = False,
+    prefetch: bool = False, rank: int = 1,
+) -> bool:  # fmt: skip
     """Under the lock: `Mover.make_room` where moving a victim down copies nothing
     (`Mover.in_place`), so the victims move without the lock being released: the same decisions.
 
     ``key=None``: no admission (a put, a reservation). ``moving``: ``key`` is a victim on its way
     down, in no tier; if this must wait for room (`Mover.wait_room` releases the lock), it is
     first registered in transit, so that readers wait for it instead of missing it (the caller
-    finishes that transit). Any other ``key`` is in transit already, or None.
+    finishes that transit). Any other ``key`` is in transit already, or None. ``prefetch`` and
+    ``rank``: as for `Mover.make_room` (a prefetch never waits for room).
     """
     if nbytes > mover.tiers[tier_index].budget:
         return False
     while True:
-        step = mover.room_step(tier_index, nbytes, key, False, 1)
+        step = mover.room_step(tier_index, nbytes, key, prefetch, rank)
         if step is None:
             if moving and key not in mover.inflight:
                 mover.inflight[key] = Transit()

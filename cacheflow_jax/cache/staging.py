@@ -15,9 +15,9 @@ Staged blocks are counted in ``stats()["prefetch"]["staged"]`` (and ``staged_byt
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from cacheflow_jax.cache.mover import DEVICE, HOST, Transit
+from cacheflow_jax.cache.mover import DEVICE, HOST, Transit, room_in_place
 from cacheflow_jax.tiers.memory import MetadataTier, narrowed
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ class Staging:
         except Exception:
             futures = [None] * len(claimed)
         raws = self._collect(claimed, futures)
+        if mover.in_place:
+            return self._install_in_place(claimed, raws)
         staged = 0
         for (key, nbytes, transit), raw in zip(claimed, raws):
             value = None
@@ -79,6 +81,50 @@ class Staging:
                     mover.notify_room()
                 transit.finish()
         return staged
+
+    def _install_in_place(self, claimed: list, raws: list) -> int:
+        """`stage`'s installs where moves copy nothing (`Mover.in_place`): L2's room is made
+        and the blocks go in under one hold of the lock, with the decisions `load_host` makes
+        one block at a time (a prefetch's room never waits, so nothing here does)."""
+        mover = self.mover
+        staged = 0
+        transits = []
+        with mover.lock:
+            try:
+                for (key, nbytes, transit), raw in zip(claimed, raws):
+                    if raw is not None and self._put_in_place(key, nbytes, raw):
+                        staged += 1
+                    del mover.inflight[key]
+                    transits.append(transit)
+            finally:  # every claimed block is released, installed or not: none may hang
+                for key, _, transit in claimed[len(transits) :]:
+                    mover.inflight.pop(key, None)
+                    transits.append(transit)
+                mover.notify_room()
+        for transit in transits:
+            transit.finish()
+        mover.writeback.start()  # L2's victims may have been parked
+        return staged
+
+    def _put_in_place(self, key: str, nbytes: int, raw: Any) -> bool:
+        """Under the lock: one block of `_install_in_place`; whether it went into L2 (a block
+        that fails to go in is dropped, as in `stage`: a get reads it itself)."""
+        mover = self.mover
+        host = mover.host
+        try:
+            if not room_in_place(mover, HOST, nbytes, key, prefetch=True):
+                return False
+        except Exception:
+            return False
+        try:
+            host.put_reserved(key, host.load(raw, owned=True), nbytes)
+        except Exception:
+            host.release(nbytes)
+            mover.notify_room()
+            return False
+        mover.planner.insert(HOST, key, mover.clock(), nbytes)
+        mover.counters.prefetch("staged", nbytes)
+        return True
 
     def _collect(self, claimed: list, futures: list) -> list:
         """The blocks read (None where a read failed). Where the device's memory is host memory

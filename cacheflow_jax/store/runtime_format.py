@@ -10,6 +10,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import secrets
 import struct
@@ -192,7 +193,7 @@ def decode_runtime(data: bytes, key: str, store: str, where: str) -> Any:
     header, size = parse_runtime_header(data, key, store, where)
     payload = data[size:]
     dtype, shape = header.get("dtype"), header.get("shape")
-    expected = None if dtype is None else int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = None if dtype is None else math.prod(shape) * dtype.itemsize
     if expected != len(payload) or zlib.crc32(payload) != header.get("crc32"):
         raise CorruptBlockError(
             f"runtime block {key!r} in store {store} is corrupt ({where}): size or CRC32 "
@@ -200,15 +201,14 @@ def decode_runtime(data: bytes, key: str, store: str, where: str) -> Any:
         )
     if "tree" not in header:
         return np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
-    sizes = [int(np.prod(sh, dtype=np.int64)) * dt.itemsize for sh, dt in header["leaves"]]
+    sizes = [math.prod(sh) * dt.itemsize for sh, dt in header["leaves"]]  # Python ints: exact
     if sum(sizes) != len(payload):
         raise CorruptBlockError(
             f"runtime block {key!r} in store {store} is corrupt ({where}): its leaves have "
             f"{sum(sizes)} bytes, its payload {len(payload)}. {HOW_TO_REPAIR}."
         )
     leaves, offset = [], 0
-    for leaf_shape, leaf_dtype in header["leaves"]:
-        n = int(np.prod(leaf_shape, dtype=np.int64)) * leaf_dtype.itemsize
+    for (leaf_shape, leaf_dtype), n in zip(header["leaves"], sizes):
         leaves.append(
             np.frombuffer(payload, leaf_dtype, n // max(1, leaf_dtype.itemsize), offset)
             .reshape(leaf_shape).copy()
