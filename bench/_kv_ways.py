@@ -51,6 +51,12 @@ class Way:
     def queued(self, keys: list[str]) -> None:
         pass
 
+    def ready(self, keys: list[str]) -> bool:
+        """Whether a queued request's blocks are where its start can load them without waiting
+        on a read already under way (vLLM's scheduler skips a request whose KV a connector is
+        still loading: ``WAITING_FOR_REMOTE_KVS``)."""
+        return True
+
     def settle(self) -> None:
         """After the warm-up: finish background work before the measured requests."""
 
@@ -202,6 +208,12 @@ class Cacheflow(Way):
         self.prefetch = prefetch
         self.device = jax.devices()[0]
         self._ahead: list[Any] = []
+        # Stagings not yet seen done, in issue order (sequence number, future); a queued
+        # request (by the id of its keys) waits for those issued up to its arrival: a block of
+        # its prefix may be on its way up in another request's staging.
+        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        self._issued = 0
+        self._needs: dict[int, int] = {}
 
     def lookup(self, keys: list[str]) -> int:
         return self.cache.cached_prefix(keys)
@@ -229,12 +241,30 @@ class Cacheflow(Way):
             # The queued request's blocks that only L3 holds come up to L2 while it waits (as
             # SGLang's HiCache does); L1 stays with the running requests' blocks.
             self._ahead = [f for f in self._ahead if not f.done()]
-            self._ahead.append(self.cache.prefetch(keys[:n]))
+            future = self.cache.prefetch(keys[:n])
+            self._ahead.append(future)
+            self._issued += 1
+            self._pending.append((self._issued, future))
+            self._needs[id(keys)] = self._issued
+
+    def ready(self, keys: list[str]) -> bool:
+        need = self._needs.get(id(keys))
+        if need is None:
+            return True
+        pending = self._pending
+        while pending and pending[0][1].done():
+            pending.popleft()
+        if pending and pending[0][0] <= need:
+            return False
+        del self._needs[id(keys)]
+        return True
 
     def settle(self) -> None:
         for future in self._ahead:
             future.result()
         self._ahead = []
+        self._pending.clear()
+        self._needs.clear()
         self.cache.flush()
         self.cache.reset_counters()
 

@@ -16,7 +16,10 @@ The engine batches continuously, one iteration at a time: a decode step for ever
 request, then up to ``--chunk`` blocks of prefill for the waiting ones in arrival order, with
 at most 100 requests in flight. A request starting its prefill asks the way how many leading
 blocks it holds, loads them and computes the rest (at least its last block, for the first
-token); each computed block is stored. Time is the engine's own: each iteration advances a
+token); each computed block is stored. A waiting request whose blocks the way is still reading
+up (cacheflow's staging from L3) is passed over for the next one until they are in, as vLLM's
+scheduler passes over a request whose KV a connector loads (``WAITING_FOR_REMOTE_KVS``); an
+engine with nothing else to run waits for them. Time is the engine's own: each iteration advances a
 clock by its measured wall time, and the clock jumps over idle gaps to the next arrival.
 
 The measured requests are the trace's last ``--requests``; every way first serves the earlier
@@ -181,6 +184,15 @@ class Server:
                         finished.append(r)
         return finished
 
+    def _next_prefill(self, prefilling: collections.deque[Request], *, idle: bool) -> Request | None:
+        """The first request, in arrival order, that has started or whose blocks the way has
+        ready; None if there is none and the engine has decodes to run meanwhile. An idle
+        engine takes the first request and waits for its blocks (engine time)."""
+        for r in prefilling:
+            if r.started or self.way.ready(r.keys):
+                return r
+        return prefilling[0] if idle else None
+
     def serve(self, reqs: list[Request]) -> float:
         """Serves ``reqs`` (sorted by arrival); returns the busy seconds."""
         pending = collections.deque(reqs)
@@ -208,7 +220,9 @@ class Server:
                     r.buf_k = r.buf_v = None
             budget = self.chunk
             while budget and prefilling:
-                r = prefilling[0]
+                r = self._next_prefill(prefilling, idle=not running)
+                if r is None:
+                    break  # every waiting request's blocks are still on their way up
                 if not r.started:
                     self.start(r)
                 while budget and r.done < len(r.keys):
@@ -218,7 +232,7 @@ class Server:
                         r.out.append(nxt)
                         r.times.append(now())
                 if r.done == len(r.keys):
-                    prefilling.popleft()
+                    prefilling.remove(r)
                     if r.n_out > 1:
                         running.append(r)
                     else:
