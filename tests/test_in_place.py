@@ -120,7 +120,17 @@ def test_concurrent_in_place_promotions_keep_budgets_and_bytes(tmp_path: Path) -
         except BaseException as e:  # reported below
             errors.append(e)
 
+    def stager() -> None:  # batches staged into L2 (in holds of the lock) while others read
+        rng = np.random.default_rng(99)
+        try:
+            for _ in range(100):
+                cache.prefetch([f"kv:{int(j)}" for j in rng.integers(0, 30, size=6)]).result()
+                cache.check_budgets()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
     threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    threads.append(threading.Thread(target=stager))
     for t in threads:
         t.start()
     for t in threads:
@@ -128,7 +138,9 @@ def test_concurrent_in_place_promotions_keep_budgets_and_bytes(tmp_path: Path) -
     assert not any(t.is_alive() for t in threads), "a reader hung"
     assert not errors, errors[0]
     cache.check_budgets()
-    assert cache.stats()["hits"]["host"] > 0  # L2 hits were promoted while others read
+    stats = cache.stats()
+    assert stats["hits"]["host"] > 0  # L2 hits were promoted while others read
+    assert stats["misses"] > 50 and stats["prefetch"]["staged"] > 0  # and L3 blocks came up
     cache.close()
 
 
