@@ -49,19 +49,12 @@ def promote_in_place(mover: Mover, key: str, info: BlockInfo, source: Any) -> An
     transit = mover.inflight[key]
     try:
         value = source  # what `device.load` returns for it: see can_move_in_place
-        kept = True
         if room_in_place(mover, DEVICE, info.nbytes, key):
-            mover.install(DEVICE, key, value, info.nbytes)
+            mover.land(key, DEVICE, value, info.nbytes)
         elif len(mover.tiers) > HOST and room_in_place(mover, HOST, info.nbytes, key):
-            mover.install(HOST, key, value, info.nbytes)  # not admitted to L1: kept in L2
+            mover.land(key, HOST, value, info.nbytes)  # not admitted to L1: kept in L2
         else:
-            kept = False
-        if kept:
-            mover.parked.pop(key, None)
-        else:
-            mover.leave(key, value, replace=False)  # never lose a runtime block
-        del mover.inflight[key]
-        mover.notify_room()
+            mover.land(key, None, value, info.nbytes)
     except BaseException as e:
         mover.inflight.pop(key, None)
         mover.leave(key, source, replace=False)  # never lose a runtime block

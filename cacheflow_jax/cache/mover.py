@@ -281,15 +281,11 @@ class Mover:
                 host_value = self.load_host(key, info.nbytes, value)
             with self.lock:
                 if in_l1:
-                    self.install(DEVICE, key, value, info.nbytes)
+                    self.land(key, DEVICE, value, info.nbytes)
                 elif host_value is not None:
-                    self.install(HOST, key, host_value, info.nbytes)
-                if in_l1 or host_value is not None:
-                    self.parked.pop(key, None)
+                    self.land(key, HOST, host_value, info.nbytes)
                 else:
-                    self.leave(key, value, replace=False)  # never lose a runtime block
-                del self.inflight[key]
-                self.notify_room()
+                    self.land(key, None, value, info.nbytes)
         except BaseException as e:
             with self.lock:
                 self.inflight.pop(key, None)
@@ -300,6 +296,18 @@ class Mover:
         transit.finish(value=value)
         self.writeback.start()
         return value
+
+    def land(self, key: str, tier_index: int | None, value: Any, nbytes: int) -> None:
+        """Under the lock: ends a load of ``key`` (in transit) into the room reserved for it in
+        ``tier_index``, or into no tier (None: a runtime block is parked or dropped, as when it
+        leaves); readers wait on its transit until the caller finishes it."""
+        if tier_index is None:
+            self.leave(key, value, replace=False)  # never lose a runtime block
+        else:
+            self.install(tier_index, key, value, nbytes)
+            self.parked.pop(key, None)
+        del self.inflight[key]
+        self.notify_room()
 
     def install(
         self, tier_index: int, key: str, value: Any, nbytes: int, **guess: Any

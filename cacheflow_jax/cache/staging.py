@@ -119,19 +119,13 @@ class Staging:
         """Under the lock: one block of `_install_in_place`; whether it went into L2 (a block
         that fails to go in is dropped, as in `stage`: a get reads it itself)."""
         mover = self.mover
-        host = mover.host
         try:
+            value = mover.host.load(raw, owned=True)
             if not room_in_place(mover, HOST, nbytes, key, prefetch=True):
                 return False
+            mover.install(HOST, key, value, nbytes)  # gives the room back if L2 refuses
         except Exception:
             return False
-        try:
-            host.put_reserved(key, host.load(raw, owned=True), nbytes)
-        except Exception:
-            host.release(nbytes)
-            mover.notify_room()
-            return False
-        mover.planner.insert(HOST, key, mover.clock(), nbytes)
         mover.counters.prefetch("staged", nbytes)
         return True
 
