@@ -20,7 +20,8 @@ token); each computed block is stored. A waiting request whose blocks the way is
 up (cacheflow's staging from L3) is passed over for the next one until they are in, as vLLM's
 scheduler passes over a request whose KV a connector loads (``WAITING_FOR_REMOTE_KVS``); an
 engine with nothing else to run waits for them. Time is the engine's own: each iteration advances a
-clock by its measured wall time, and the clock jumps over idle gaps to the next arrival.
+clock by its measured wall time (less the time a way spends measuring its put yardstick), and the
+clock jumps over idle gaps to the next arrival. Request KV buffers come from a pool allocated once.
 
 The measured requests are the trace's last ``--requests``; every way first serves the earlier
 requests as a warm-up (their blocks come from one precomputation, computed as the engine
@@ -120,11 +121,26 @@ class Server:
         self.engine, self.way, self.chunk = engine, way, chunk
         self.max_inflight = max_inflight
         self.cfg = engine.cfg
+        # Request KV buffers, allocated once and reused, as an engine's KV memory is (vLLM
+        # allocates its KV cache at start): allocating 1.5 MB per request would time the
+        # process's allocator, which the ways' own memory use changes (measured: 0.1 vs 0.4 ms
+        # a request). A reused buffer keeps an earlier request's values past the request's
+        # length; attention masks them (`bench._decoder`), so the tokens are the same.
+        self._free: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _buffers(self, r: Request) -> None:
+        if self._free:
+            r.buf_k, r.buf_v = self._free.pop()
+            return
         cfg = self.cfg
         shape = (cfg.layers, bucket(cfg.max_context, cfg.block_tokens), cfg.kv_dim)
         r.buf_k, r.buf_v = np.zeros(shape, KV_DTYPE), np.zeros(shape, KV_DTYPE)
+
+    def release(self, r: Request) -> None:
+        """Gives a finished request's buffers back to the pool."""
+        if r.buf_k is not None:
+            self._free.append((r.buf_k, r.buf_v))
+        r.buf_k = r.buf_v = None
 
     def start(self, r: Request) -> None:
         """Looks the request's prefix up and loads what the way holds (at most all but one)."""
@@ -217,7 +233,7 @@ class Server:
             if running:
                 for r in self.decode(running, now):
                     running.remove(r)
-                    r.buf_k = r.buf_v = None
+                    self.release(r)
             budget = self.chunk
             while budget and prefilling:
                 r = self._next_prefill(prefilling, idle=not running)
@@ -236,8 +252,9 @@ class Server:
                     if r.n_out > 1:
                         running.append(r)
                     else:
-                        r.buf_k = r.buf_v = None
-            step = time.perf_counter() - t0
+                        self.release(r)
+            # The way's own measurements (cacheflow's put yardstick) are not engine time.
+            step = time.perf_counter() - t0 - self.way.take_harness_seconds()
             vt += step
             busy += step
         return busy
@@ -277,7 +294,7 @@ def precompute(engine: Engine, reqs: list[Request], *, out: Path) -> dict[str, d
                 r.buf_k[:, i * t : (i + 1) * t] = np.asarray(block["k"])
                 r.buf_v[:, i * t : (i + 1) * t] = np.asarray(block["v"])
                 r.done += 1
-        r.buf_k = r.buf_v = None
+        server.release(r)
     out.mkdir(parents=True, exist_ok=True)
     keys = list(oracle)
     np.savez(path, keys=np.array(keys),
@@ -297,6 +314,7 @@ def warm(way: Way, reqs: list[Request], oracle: dict[str, dict[str, Any]]) -> No
     way.hits.clear()
     way.put_seconds.clear()
     way.device_put_seconds.clear()
+    way.take_harness_seconds()
 
 
 def make_way(name: str, device_bytes: int, host_bytes: int, root: Path, *,

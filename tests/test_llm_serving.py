@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import llm_serving
@@ -38,3 +39,38 @@ def test_llm_serving_small_run_has_equal_tokens_and_every_figure(tmp_path: Path)
     assert doc["settings"]["model_flops_per_kv_byte"] * 4 >= doc["settings"]["llama_1b_flops_per_kv_byte"]
     # The warm-up's blocks were kept for the next run, which reads them instead of computing.
     assert list(tmp_path.glob("llm_serving_warmup_*.npz"))
+
+
+class _SlowYardstick(llm_serving.Way):
+    """A way whose every store spends ``pause`` seconds measuring (counted as harness time)."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def store(self, key: str, block: dict) -> None:
+        import time
+
+        start = time.perf_counter()
+        time.sleep(self.pause)
+        self.harness_seconds += time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_engine_clock_leaves_out_measurement_and_reuses_buffers() -> None:
+    cfg = llm_serving.DecoderConfig(max_blocks=4)
+    engine = llm_serving.Engine(cfg)
+    engine.warm_up()
+    rng = np.random.default_rng(0)
+    ids = [[int(rng.integers(0, 50)) for _ in range(3)] for _ in range(6)]
+    reqs = llm_serving.make_requests(ids, cfg, [2] * len(ids))
+    stores = sum(len(r.keys) for r in reqs)
+    plain = llm_serving.Server(engine, llm_serving.Way(), chunk=8).serve(llm_serving.fresh(reqs))
+    server = llm_serving.Server(engine, _SlowYardstick(0.02), chunk=8)
+    timed = llm_serving.fresh(reqs)
+    busy = server.serve(timed)
+    # Every store slept 20 ms (stores * 20 ms in all); none of it is engine time.
+    assert busy < plain + 0.5 * stores * 0.02, (busy, plain, stores)
+    # Finished requests gave their buffers back, and later requests took them again.
+    assert all(r.buf_k is None for r in timed)
+    assert 0 < len(server._free) < len(timed)
