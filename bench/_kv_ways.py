@@ -205,12 +205,12 @@ class Cacheflow(Way):
     name = "cacheflow"
 
     def __init__(self, device_bytes: int, host_bytes: int, root: Path, *,
-                 prefetch: bool = True) -> None:  # fmt: skip
+                 prefetch: bool = True, block_bytes: int | None = None) -> None:  # fmt: skip
         import cacheflow_jax as cfj
 
         super().__init__()
-        self.cache = cfj.TieredCache(cfj.open_store(root, create=True),
-                                     device_bytes=device_bytes, host_bytes=host_bytes)  # fmt: skip
+        self.cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=device_bytes,
+                                     host_bytes=host_bytes, block_bytes=block_bytes)  # fmt: skip
         self.prefetch = prefetch
         self.device = jax.devices()[0]
         self._ahead: list[Any] = []

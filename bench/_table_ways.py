@@ -173,6 +173,14 @@ def _assemble(blocks: list, *, grids: tuple) -> list:
 _assemble_jit = jax.jit(_assemble, static_argnames="grids")
 
 
+def assemble(blocks: list, *, grids: tuple) -> list:
+    """`_assemble_jit`, except that arrays stored as one block each are the blocks themselves
+    (a jitted call would copy them)."""
+    if all(int(np.prod(grid)) == 1 for grid in grids):
+        return list(blocks)
+    return _assemble_jit(blocks, grids=grids)
+
+
 class CacheflowTable(TableWay):
     """Weights as blocks of a `TieredCache` and rows by ``session.lookup`` on the same cache.
 
@@ -208,7 +216,7 @@ class CacheflowTable(TableWay):
 
     def vision(self, model: VisionModel, patches: np.ndarray) -> tuple[jax.Array, jax.Array]:
         blocks = self.weights_cache.get_many(self.keys)
-        return model.apply(_assemble_jit(blocks, grids=self.grids), patches)
+        return model.apply(assemble(blocks, grids=self.grids), patches)
 
     def stats(self) -> dict[str, Any]:
         s = self.session.stats()

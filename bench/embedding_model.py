@@ -91,7 +91,9 @@ def drop_page_cache(root: Path) -> None:
 
 
 def write_table(table: np.ndarray, root: Path, extra: dict[str, np.ndarray] | None = None) -> None:
-    """Writes ``text/embed`` (and ``extra`` arrays) as a fresh store at ``root``."""
+    """Writes ``text/embed`` in chunks of `CHUNK_BYTES` (rows are read a few at a time), and
+    ``extra`` arrays (weights) in `write_store`'s default chunks, as a fresh store at ``root``:
+    a weight up to 4 MiB is one block, read whole."""
     from cacheflow_jax import write_store
 
     if root.exists():
@@ -103,7 +105,7 @@ def write_table(table: np.ndarray, root: Path, extra: dict[str, np.ndarray] | No
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    write_store(tree, root, chunk_bytes=CHUNK_BYTES)
+    write_store(tree, root, chunk_bytes_for={"text/embed": CHUNK_BYTES})
 
 
 def make_way(name: str, root: Path, model: TextModel, budgets: tuple[int, int]) -> TableWay:

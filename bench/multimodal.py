@@ -20,6 +20,11 @@ sustains; at most 50 requests are in flight (`bench.llm_serving.Server` with
 arrival to the first generated token, which needs its text vector, its image tokens and its
 prefill.
 
+The store (`write_store`, zarr3 on local disk) holds the table in 64 KiB chunks of rows and each
+vision weight (1 MiB at most) as one chunk, read whole, as orbax writes an unsharded array. A
+cacheflow cache serves the stored chunks as blocks while its L1 holds 8 of the largest weights;
+a smaller L1 (a cache of the per-kind split) serves pieces of an eighth of it (`block_bytes`).
+
 Budgets: L1 is ``--l1-share`` (10%) of the distinct bytes the requests touch (vision weights +
 text table + the text prompts' distinct KV blocks) and L2 four times L1. The ways:
 
@@ -69,7 +74,7 @@ from bench._table_ways import (
     TableWay,
     TensorStoreReads,
 )
-from bench.embedding_model import build_report, drop_page_cache, write_table
+from bench.embedding_model import CHUNK_BYTES, build_report, drop_page_cache, write_table
 from bench.llm_serving import Request, Server, load_trace, make_requests, precompute, warm
 from bench.policies import shared_traces_dir
 
@@ -218,20 +223,33 @@ def make_ways(name: str, s: Setup, tmp: Path) -> tuple[Way, TableWay]:
     root = tmp / "l3"
     shutil.copytree(s.root, root)
     drop_page_cache(root)
+    largest = max(int(v.nbytes) for v in s.vision.values)  # a weight is one stored block
     if name == "cacheflow":
-        way = KvCacheflow(d, h, root)
+        way = KvCacheflow(d, h, root, block_bytes=block_bytes_for(d, largest))
         return way, CacheflowTable(way.cache, embedding_bytes=rows_l1, vision=names)
     if name == "cacheflow-split":
         way = KvCacheflow(*kv, tmp / "kv")
 
         def cache(kind: str) -> Any:
-            return cfj.TieredCache(cfj.open_store(root), device_bytes=int(d * share[kind]),
-                                   host_bytes=int(h * share[kind]))  # fmt: skip
+            l1 = int(d * share[kind])
+            return cfj.TieredCache(cfj.open_store(root), device_bytes=l1,
+                                   host_bytes=int(h * share[kind]),
+                                   block_bytes=block_bytes_for(l1, largest))  # fmt: skip
 
         tables = CacheflowTable(cache("embedding"), embedding_bytes=rows_l1, vision=names,
                                 weights_cache=cache("weight"))  # fmt: skip
         return way, tables
     raise ValueError(f"unknown way {name!r}; choose from {', '.join(WAYS)}")
+
+
+def block_bytes_for(device_bytes: int, largest: int) -> int | None:
+    """The blocks of a cacheflow cache with L1 ``device_bytes`` over the store: the stored
+    chunks (a weight whole, the table in `CHUNK_BYTES`) while L1 holds 8 of the ``largest``,
+    else pieces of an eighth of L1 (a power of two, at least `CHUNK_BYTES`), as `TieredCache`
+    advises when a stored block is too large for L1."""
+    if device_bytes >= 8 * largest:
+        return None
+    return max(CHUNK_BYTES, 1 << max(0, (device_bytes // 8).bit_length() - 1))
 
 
 def warm_tables(tables: TableWay, s: Setup, reqs: list[TurnRequest]) -> None:

@@ -177,6 +177,33 @@ def test_chunk_bytes_must_be_positive(tmp_path: Path, chunk_bytes: int) -> None:
     assert not (tmp_path / "s").exists()
 
 
+def test_chunk_bytes_for_sizes_chunks_per_array_and_folder(tmp_path: Path) -> None:
+    table = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    tree = {"text": {"embed": table},
+            "vision": {"w": np.ones((32, 32), np.float32), "b": {"c": np.ones(100, np.int32)}}}
+    store = write_store(tree, tmp_path / "s", chunk_bytes=256,
+                        chunk_bytes_for={"vision/": 1 << 20, "vision/b/c": 128})  # fmt: skip
+    arrays = store.arrays()
+    assert arrays["text/embed"].grid_shape == (16, 1)  # the default: 256-byte chunks of rows
+    assert arrays["vision/w"].grid_shape == (1, 1)  # the folder's 1 MiB: one block
+    assert arrays["vision/b/c"].grid_shape == (4,)  # the longest entry wins
+    assert np.array_equal(store.read(block_key("text/embed", (1, 0))).result(), table[4:8])
+    assert store.read(block_key("vision/w", (0, 0))).result().shape == (32, 32)
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"visio/": 4096}, "no array path or folder"),
+    ({"vision": 4096}, "no array path or folder"),  # a folder needs its '/'
+    ({"text/embed": 0}, "positive number of bytes"),
+])  # fmt: skip
+def test_chunk_bytes_for_errors_name_the_entry(tmp_path: Path, entry: dict, why: str) -> None:
+    tree = {"text": {"embed": np.ones((4, 4), np.float32)}, "vision": {"w": np.ones(4, np.float32)}}
+    with pytest.raises(ValueError, match=why) as err:
+        write_store(tree, tmp_path / "s", chunk_bytes_for=entry)
+    assert repr(next(iter(entry))) in str(err.value)
+    assert not (tmp_path / "s").exists()  # nothing was written
+
+
 def test_gcs_and_s3_specs_are_built() -> None:
     from cacheflow_jax.store.locations import resolve as _resolve
 

@@ -75,6 +75,7 @@ def write_store(
     path: str | os.PathLike[str] | Mapping[str, Any],
     *,
     chunk_bytes: int = 4 * 2**20,
+    chunk_bytes_for: Mapping[str, int] | None = None,
     overwrite: bool = False,
     s3_endpoint: str | None = None,
     s3_region: str | None = None,
@@ -99,6 +100,10 @@ def write_store(
       tree: nested dicts/lists/tuples of numpy or JAX arrays (or numbers).
       path: where to write: as for :func:`open_store`.
       chunk_bytes: the largest chunk (= block) in bytes; see :func:`chunk_shape_for`.
+      chunk_bytes_for: the largest chunk of some arrays, by array path (``"text/embed"``) or
+        by folder (``"vision/"``: every array under it); the longest match wins, and the other
+        arrays use ``chunk_bytes``. As orbax's per-leaf ``SaveArgs(chunk_byte_size=...)``: an
+        embedding table wants small chunks (rows are read a few at a time), weights whole ones.
       overwrite: replace an existing cacheflow store at ``path``.
       s3_endpoint: as for :func:`open_store`.
       s3_region: as for :func:`open_store`.
@@ -108,7 +113,8 @@ def write_store(
 
     Raises:
       ValueError: ``chunk_bytes`` <= 0, a leaf is not a numeric array, a leaf's name is not
-        usable as an array path, or two leaves map to the same array path.
+        usable as an array path, two leaves map to the same array path, or an entry of
+        ``chunk_bytes_for`` has no positive size or names no array.
       FileExistsError: ``path`` holds data and ``overwrite`` is False, or ``path`` holds data
         that is not a cacheflow store (never deleted).
       StoreError: a write failed.
@@ -117,14 +123,10 @@ def write_store(
     >>> store.keys()
     ('w@0,0',)
     """
-    if (
-        isinstance(chunk_bytes, bool)
-        or not isinstance(chunk_bytes, int | np.integer)
-        or (chunk_bytes <= 0)
-    ):
-        raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
+    _check_chunk_bytes("chunk_bytes", chunk_bytes)
     kv_spec, label, local = resolve(path, s3_endpoint, s3_region)
     leaves = _leaves_to_write(tree)
+    sizes = _chunk_sizes(list(leaves), int(chunk_bytes), chunk_bytes_for or {})
     if local is not None and local.exists() and not local.is_dir():
         raise FileExistsError(f"{local} is a file, not a store directory; choose another path")
     kv = open_kvstore(kv_spec, label)
@@ -137,14 +139,41 @@ def write_store(
             )
         _check_replaceable(kv, label, existing)
     if local is not None and existing:
-        _write_local_swap(leaves, local, int(chunk_bytes))
+        _write_local_swap(leaves, local, sizes)
     else:
         if local is not None:
             local.mkdir(parents=True, exist_ok=True)
         if existing:
             _clear_data(kv, label)
-        _write_arrays(kv, kv_spec, label, leaves, int(chunk_bytes))
+        _write_arrays(kv, kv_spec, label, leaves, sizes)
     return open_store(path, s3_endpoint=s3_endpoint, s3_region=s3_region)
+
+
+def _check_chunk_bytes(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {value!r}")
+
+
+def _chunk_sizes(names: list[str], default: int, chosen: Mapping[str, int]) -> dict[str, int]:
+    """Each array's largest chunk: the longest entry of ``chosen`` that covers it (its path, or
+    a folder above it ending in ``/``), else ``default``."""
+
+    def covers(entry: str, name: str) -> bool:
+        return name == entry or (entry.endswith("/") and name.startswith(entry))
+
+    for entry, size in chosen.items():
+        _check_chunk_bytes(f"chunk_bytes_for[{entry!r}]", size)
+        if not any(covers(entry, name) for name in names):
+            shown = ", ".join(sorted(names)[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(
+                f"chunk_bytes_for names {entry!r}, which is no array path or folder of the tree "
+                f"(its arrays: {shown}); give an array's path, or a folder ending in '/'"
+            )
+    out = {}
+    for name in names:
+        entries = [entry for entry in chosen if covers(entry, name)]
+        out[name] = int(chosen[max(entries, key=len)]) if entries else default
+    return out
 
 
 def _leaves_to_write(tree: Any) -> dict[str, tuple[np.ndarray, list[list]]]:
@@ -198,7 +227,7 @@ def _clear_data(kv: ts.KvStore, label: str) -> None:
 
 
 def _write_local_swap(
-    leaves: dict[str, tuple[np.ndarray, list[list]]], local: Path, chunk_bytes: int
+    leaves: dict[str, tuple[np.ndarray, list[list]]], local: Path, sizes: Mapping[str, int]
 ) -> None:
     """Writes a new store beside ``local`` and swaps it in once complete; the runtime blocks
     move into the new store (blocks published during the swap are moved after it)."""
@@ -208,7 +237,7 @@ def _write_local_swap(
     spec = {"driver": "file", "path": str(stage) + "/"}
     try:
         stage.mkdir()
-        _write_arrays(open_kvstore(spec, str(stage)), spec, str(local), leaves, chunk_bytes)
+        _write_arrays(open_kvstore(spec, str(stage)), spec, str(local), leaves, sizes)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -236,9 +265,10 @@ def _write_arrays(
     kv_spec: Mapping[str, Any],
     label: str,
     leaves: dict[str, tuple[np.ndarray, list[list]]],
-    chunk_bytes: int,
+    sizes: Mapping[str, int],
 ) -> None:
-    """Writes the arrays under an empty ``kv``; the root group is marked complete last."""
+    """Writes the arrays under an empty ``kv`` (``sizes``: each one's largest chunk in bytes);
+    the root group is marked complete last."""
 
     def group(complete: bool, arrays: Mapping[str, Any], manifest: bytes = b"") -> bytes:
         attr: dict[str, Any] = {"complete": complete, "arrays": arrays}
@@ -254,7 +284,7 @@ def _write_arrays(
     opens = []
     crcs: dict[str, list[int]] = {}
     for name, (arr, parts) in leaves.items():
-        chunks = chunk_shape_for(arr.shape, arr.dtype.itemsize, chunk_bytes)
+        chunks = chunk_shape_for(arr.shape, arr.dtype.itemsize, sizes[name])
         crcs[name] = array_crcs(arr, chunks)
         spec = {
             "driver": "zarr3",
