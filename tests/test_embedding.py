@@ -185,3 +185,41 @@ def test_get_host_many_reads_l3_once_and_keeps_blocks_where_they_are(layout):
     assert cache.tier_of("w@0,0") == "device"
     assert cache.tier_of("w@3,0") == "host" and cache.tier_of("w@5,0") == "host"
     cache.check_budgets()
+
+
+def test_get_host_many_gives_runs_of_hits_to_the_policy_as_one_access_at_a_time(monkeypatch):
+    """`get_host_many` hands a batch's accesses of resident blocks to the policy in runs
+    (`Mover.account_hits`), each before the next miss; the policy's state, every block's tier
+    and the counts after every batch are those of accounting each access alone."""
+    from cacheflow_jax.cache.mover import Mover
+
+    data = np.random.default_rng(5).standard_normal((64, 16)).astype(np.float32)
+    url = _url()
+    cfj.write_store({"w": data}, url, chunk_bytes=64)  # a row per block: 64 blocks
+    clock = [0.0]
+
+    def make():
+        return cfj.TieredCache(cfj.open_store(url), device_bytes=6 * 64, host_bytes=18 * 64,
+                               clock=lambda: clock[0])  # fmt: skip
+
+    batched, alone = make(), make()
+    for cache in (batched, alone):
+        cache.get_many([f"w@{i},0" for i in range(4)])  # L1 hits too (get_host_many keeps tiers)
+    rng = np.random.default_rng(6)
+    keys = [f"w@{int(i) % 64},0" for i in rng.zipf(1.2, 8 * 150)]
+    for start in range(0, len(keys), 8):
+        batch = keys[start : start + 8]
+        clock[0] += 1.0
+        got = batched.get_host_many(batch)
+        with monkeypatch.context() as m:
+            m.setattr(Mover, "hits_in_batch", lambda self, now: False)  # `account` per access
+            want = alone.get_host_many(batch)
+        assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+        a, b = batched.stats(), alone.stats()
+        for field in ("hits", "misses", "tiers", "policy"):
+            assert a[field] == b[field], (start, field)
+        assert [batched.tier_of(f"w@{i},0") for i in range(64)] == [
+            alone.tier_of(f"w@{i},0") for i in range(64)
+        ], start
+    stats = batched.stats()
+    assert stats["hits"]["device"] > 0 and stats["hits"]["host"] > 0 and stats["misses"] > 0

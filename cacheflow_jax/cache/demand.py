@@ -207,6 +207,10 @@ class Demand:
                 mover.drain()
                 now = mover.clock()
                 host = mover.tiers[HOST].entries if len(mover.tiers) > HOST else {}
+                # Accesses of resident blocks go to the policy in runs (`Mover.account_hits`),
+                # each applied before the next access that is not one: the same order.
+                run: list[str] | None = [] if mover.hits_in_batch(now) else None
+                count = mover.counters.access
                 for key in pending:
                     transit = mover.inflight.get(key)
                     if transit is not None:
@@ -214,17 +218,30 @@ class Demand:
                         continue
                     nbytes = infos[key].nbytes
                     value = mover.l1.get(key)
+                    where = "device"
+                    if value is None and key in host:
+                        value, where = host[key], "host"
+                    if value is not None and run is not None:
+                        count(where, nbytes)
+                        run.append(key)
+                        out[key] = value
+                        continue
+                    if run:
+                        mover.account_hits(run, now)
+                        run = []
                     if value is not None:
-                        mover.account(key, "device", now, nbytes)
-                    elif key in host or key in mover.parked:
+                        mover.account(key, where, now, nbytes)
+                    elif key in mover.parked:  # not resident: the policy sees it alone
                         mover.account(key, "host", now, nbytes)
-                        value = host[key] if key in host else mover.parked[key]
+                        value = mover.parked[key]
                     else:
                         mover.account(key, "miss", now, nbytes)
                         mover.inflight[key] = Transit()
                         owned.append(key)
                         continue
                     out[key] = value
+                if run:
+                    mover.account_hits(run, now)
             self._host_loads(owned, infos, out)
             pending = []
             for key, transit in waits:

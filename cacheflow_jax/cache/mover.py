@@ -246,6 +246,23 @@ class Mover:
         if self.has_ttl:
             self.expire(now)
 
+    def hits_in_batch(self, now: float) -> bool:
+        """Under the lock: whether accesses of resident blocks at ``now`` may reach the policy
+        in one batch (`account_hits`) with the same result as `account` one at a time: the policy
+        has ``hits``, nothing is pinned, no prefetched block waits for its first use or is
+        foreseen (the planner would look at each), and no TTL sweep is due."""
+        planner = self.planner
+        return (planner.policy.hits is not None and not self.pins and not planner.unused_blocks
+                and not planner.foreseen_blocks() and now < self.next_expire)  # fmt: skip
+
+    def account_hits(self, keys: list[str], now: float) -> None:
+        """Under the lock, while `hits_in_batch`: the policy's accesses of ``keys`` (resident
+        in L1 or L2, counted by the caller), in order, in one call."""
+        planner = self.planner
+        planner.policy.hits(planner.state, keys, now)
+        if planner.tracking:
+            planner.count += len(keys)
+
     def abandon(self, owned: list[tuple[str, BlockInfo, Any]], error: BaseException) -> None:
         """Releases loads that were claimed in `begin` but never started (a read failed)."""
         with self.lock:

@@ -108,14 +108,18 @@ def _rows_to_words(rows, row_words: int, word: np.dtype):
     return jax.lax.bitcast_convert_type(raw.reshape(n, row_words, word.itemsize), word)
 
 
-@functools.partial(jax.jit, static_argnames=("unit_words", "row_shape", "dtype", "implementation"))
-def _gather_rows(slab, units, miss_pos, miss_rows, *, unit_words, row_shape, dtype, implementation):
-    """The rows at ``units`` (``(n, k)`` unit indices of the slab), misses filled in."""
+@functools.partial(
+    jax.jit, static_argnames=("unit_words", "row_shape", "dtype", "implementation", "lead")
+)
+def _gather_rows(slab, units, miss_pos, miss_rows, *, unit_words, row_shape, dtype, implementation,
+                 lead):  # fmt: skip
+    """The rows at ``units`` (``(n, k)`` unit indices of the slab), misses filled in, shaped
+    ``lead + row_shape`` (``lead``: the ids' shape)."""
     n, k = units.shape
     view = slab.reshape(-1, unit_words)  # the slab as units: a bitcast, not a copy
     words = gather_lines(view, units.reshape(-1), implementation=implementation)
     rows = _rows_from_words(words.reshape(n, k * unit_words), row_shape, dtype)
-    return rows.at[miss_pos].set(miss_rows, mode="drop")
+    return rows.at[miss_pos].set(miss_rows, mode="drop").reshape(*lead, *row_shape)
 
 
 @functools.partial(jax.jit, static_argnames=("unit_words", "implementation"), donate_argnums=(0,))
@@ -132,10 +136,12 @@ def _pack_rows(slab, rows, units, *, unit_words, implementation):
     return view.reshape(slab.shape)
 
 
-@jax.jit
-def _stack_rows(rows, miss_pos, miss_rows):
-    """The arrays layout's lookup: one array per resident row, stacked, misses filled in."""
-    return jnp.stack(rows).at[miss_pos].set(miss_rows, mode="drop")
+@functools.partial(jax.jit, static_argnames=("lead",))
+def _stack_rows(rows, miss_pos, miss_rows, *, lead):
+    """The arrays layout's lookup: one array per resident row, stacked, misses filled in,
+    shaped ``lead`` (the ids' shape) + the row's shape."""
+    out = jnp.stack(rows).at[miss_pos].set(miss_rows, mode="drop")
+    return out.reshape(*lead, *out.shape[1:])
 
 
 class EmbeddingRows:
@@ -263,17 +269,23 @@ class EmbeddingRows:
         """
         if self._closed:
             raise RuntimeError(f"lookup of {self.table!r} after its serving session ended")
-        ids = ids if isinstance(ids, jax.Array) else jnp.asarray(ids)
-        check_not_traced(self.table, ids)  # a tracer given, or made by asarray under a trace
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"lookup of {self.table!r}: ids must be integers, not {ids.dtype}")
-        flat = np.asarray(ids).reshape(-1)  # the one device-to-host copy of a lookup
+        check_not_traced(self.table, ids)
+        on_device = isinstance(ids, jax.Array)
+        # Ids on the host stay there until the counters' update takes them (no eager transfer
+        # and dtype conversion of their own: each is a dispatch); device ids come down once.
+        host = np.asarray(ids)  # the one device-to-host copy of a lookup of device ids
+        if not np.issubdtype(host.dtype, np.integer):
+            raise ValueError(f"lookup of {self.table!r}: ids must be integers, not {host.dtype}")
+        shape = host.shape
+        flat = host.reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= self.num_rows):
             bad = flat[(flat < 0) | (flat >= self.num_rows)][0]
             raise IndexError(
                 f"row id {int(bad)} is outside table {self.table!r} of {self.num_rows} rows"
             )
-        counters = lfu_update(self.counters, ids, decay=self.decay)
+        # In range, so int32 holds them (as jnp.asarray would make them with x64 off).
+        counters = lfu_update(self.counters, ids if on_device else flat.astype(np.int32),
+                              decay=self.decay)  # fmt: skip
         if isinstance(counters, jax.core.Tracer):  # concrete ids, but under a trace
             what = "the ids are values, but the lookup ran inside a traced function"
             raise TracedLookupError(TRACED_LOOKUP.format(table=self.table, what=what))
@@ -300,10 +312,11 @@ class EmbeddingRows:
                     row_shape=self.row_shape,
                     dtype=self.dtype,
                     implementation=slab.implementation,
+                    lead=shape,
                 )
         else:
             rows = tuple(self._blank if s < 0 else self._arrays[s] for s in slots)
-            out = _stack_rows(rows, miss_pos, miss_rows)
+            out = _stack_rows(rows, miss_pos, miss_rows, lead=shape)
         n = self._n
         n["lookups"] += 1
         n["rows"] += flat.size
@@ -312,7 +325,7 @@ class EmbeddingRows:
         self._lookups += 1
         if self._lookups % self.period == 0:
             self.promote()
-        return out.reshape((*ids.shape, *self.row_shape))
+        return out
 
     def _fetch(self, rows: np.ndarray) -> np.ndarray:
         """Rows (sorted, distinct) read from L2/L3 in one batch of whole chunks."""
