@@ -187,7 +187,8 @@ def test_get_host_many_reads_l3_once_and_keeps_blocks_where_they_are(layout):
     cache.check_budgets()
 
 
-def test_get_host_many_gives_runs_of_hits_to_the_policy_as_one_access_at_a_time(monkeypatch):
+@pytest.mark.parametrize("ttl", [86400.0, None])
+def test_get_host_many_gives_runs_of_hits_to_the_policy_as_one_access_at_a_time(monkeypatch, ttl):
     """`get_host_many` hands a batch's accesses of resident blocks to the policy in runs
     (`Mover.account_hits`), each before the next miss; the policy's state, every block's tier
     and the counts after every batch are those of accounting each access alone."""
@@ -200,7 +201,7 @@ def test_get_host_many_gives_runs_of_hits_to_the_policy_as_one_access_at_a_time(
 
     def make():
         return cfj.TieredCache(cfj.open_store(url), device_bytes=6 * 64, host_bytes=18 * 64,
-                               clock=lambda: clock[0])  # fmt: skip
+                               policy=cfj.lfu(ttl=ttl), clock=lambda: clock[0])  # fmt: skip
 
     batched, alone = make(), make()
     for cache in (batched, alone):

@@ -218,10 +218,10 @@ class Demand:
                         continue
                     nbytes = infos[key].nbytes
                     value = mover.l1.get(key)
-                    where = "device"
-                    if value is None and key in host:
-                        value, where = host[key], "host"
-                    if value is not None and run is not None:
+                    where = "device" if value is not None else "host" if key in host else None
+                    if where == "host":
+                        value = host[key]
+                    if where is not None and run is not None:
                         count(where, nbytes)
                         run.append(key)
                         out[key] = value
@@ -229,7 +229,7 @@ class Demand:
                     if run:
                         mover.account_hits(run, now)
                         run = []
-                    if value is not None:
+                    if where is not None:
                         mover.account(key, where, now, nbytes)
                     elif key in mover.parked:  # not resident: the policy sees it alone
                         mover.account(key, "host", now, nbytes)

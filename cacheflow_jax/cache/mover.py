@@ -253,7 +253,8 @@ class Mover:
         foreseen (the planner would look at each), and no TTL sweep is due."""
         planner = self.planner
         return (planner.policy.hits is not None and not self.pins and not planner.unused_blocks
-                and not planner.foreseen_blocks() and now < self.next_expire)  # fmt: skip
+                and not planner.foreseen_blocks()
+                and (not self.has_ttl or now < self.next_expire))  # fmt: skip
 
     def account_hits(self, keys: list[str], now: float) -> None:
         """Under the lock, while `hits_in_batch`: the policy's accesses of ``keys`` (resident
