@@ -55,6 +55,23 @@ def test_prefetch_reads_l3_blocks_into_l2_only(tmp_path: Path) -> None:
     cache.check_budgets()
 
 
+def test_prefetch_of_blocks_already_up_starts_no_job(tmp_path: Path, monkeypatch) -> None:
+    """Every key resident (a queued request whose prefix L1 and L2 hold): the future is done at
+    once with 0 and no staging job runs; one L3-only key among them starts the job."""
+    from cacheflow_jax.cache.staging import Staging
+
+    _written(tmp_path / "s", 6)
+    cache = _reopened(tmp_path / "s")
+    cache.get_many(["kv:0", "kv:1"])
+    ran = []
+    stage = Staging.stage
+    monkeypatch.setattr(Staging, "stage", lambda self, keys: ran.append(keys) or stage(self, keys))
+    future = cache.prefetch(["kv:0", "kv:1"])
+    assert future.done() and future.result() == 0 and ran == []
+    assert cache.prefetch(["kv:0", "kv:1", "kv:2"]).result(timeout=30) == 1
+    assert ran == [["kv:0", "kv:1", "kv:2"]] and cache.locate("kv:2") == "host"
+
+
 def test_prefetch_with_no_l2_does_nothing(tmp_path: Path) -> None:
     _written(tmp_path / "s", 3)
     cache = _reopened(tmp_path / "s", host_bytes=0)

@@ -34,6 +34,16 @@ class Staging:
     def __init__(self, mover: Mover) -> None:
         self.mover = mover
 
+    def has_work(self, keys: list[str]) -> bool:
+        """Whether any of ``keys`` is neither resident, moving nor parked: the blocks `stage`
+        would look up. Read without the lock (dict membership, as the hit path reads L1): a
+        block that moves meanwhile only makes a staging job find nothing, or a hint missed."""
+        mover = self.mover
+        host = mover.host
+        if host is None or isinstance(host, MetadataTier):
+            return False
+        return any(type(key) is str and mover.fresh(key) for key in keys)
+
     def stage(self, keys: Iterable[str]) -> int:
         """Reads the blocks of ``keys`` that only L3 holds into L2; returns how many went in.
 

@@ -178,10 +178,16 @@ class TieredCache:
     def prefetch(self, keys: Iterable[str]) -> Future:
         """Starts reading the blocks of ``keys`` that only L3 holds into L2, in the background
         (a queued request's blocks: `cacheflow_jax.cache.staging`); a `Future` of how many
-        went in. Nothing goes into L1; resident, moving and unknown keys are skipped."""
+        went in. Nothing goes into L1; resident, moving and unknown keys are skipped, and when
+        every key is resident or moving as it is called, no job starts (the future is done, 0)."""
         from cacheflow_jax.store.futures import thread_pool
 
-        return thread_pool("stage", 2).submit(self._staging.stage, list(keys))
+        keys = list(keys)
+        if not self._staging.has_work(keys):
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        return thread_pool("stage", 2).submit(self._staging.stage, keys)
 
     # ------------------------------------------------------------------------- runtime blocks
 
