@@ -86,6 +86,8 @@ def test_embedding_rows_raise_traced_lookup_error_naming_the_table() -> None:
         ids = jnp.asarray(_ids(0))  # values, but looked up inside a traced function
         with pytest.raises(TracedLookupError, match="inside a traced function"):
             jax.jit(lambda x: rows.lookup(ids) + x)(1.0)
+        with pytest.raises(TracedLookupError, match=r"'emb'.*traced values"):  # a list of them
+            jax.jit(lambda i: rows.lookup([i[0], i[1]]))(jnp.asarray(_ids(0)).reshape(-1))
         assert np.array_equal(rows.lookup(_ids(0)), table[_ids(0)])
     finally:
         rows.close()

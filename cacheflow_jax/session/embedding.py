@@ -273,7 +273,11 @@ class EmbeddingRows:
         on_device = isinstance(ids, jax.Array)
         # Ids on the host stay there until the counters' update takes them (no eager transfer
         # and dtype conversion of their own: each is a dispatch); device ids come down once.
-        host = np.asarray(ids)  # the one device-to-host copy of a lookup of device ids
+        try:
+            host = np.asarray(ids)  # the one device-to-host copy of a lookup of device ids
+        except jax.errors.TracerArrayConversionError:  # traced values inside a list or tuple
+            what = "its ids hold traced values: their values are not known"
+            raise TracedLookupError(TRACED_LOOKUP.format(table=self.table, what=what)) from None
         if not np.issubdtype(host.dtype, np.integer):
             raise ValueError(f"lookup of {self.table!r}: ids must be integers, not {host.dtype}")
         shape = host.shape
