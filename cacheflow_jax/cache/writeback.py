@@ -304,8 +304,9 @@ class WriteBack:
                         self._conflicts.clear()
                         raise conflict
                     return
-                retry = [k for k in left if k not in self._errors or tries[k] < 2]
-                failed = [k for k in left if k not in retry]
+                retry, failed = [], []  # (one pass: a test of ``k in retry`` is O(n) per key)
+                for k in left:
+                    (retry if k not in self._errors or tries[k] < 2 else failed).append(k)
                 if failed and not any(k in self._writing for k in left):
                     error = self._errors[failed[0]]
                     self._errors.clear()
