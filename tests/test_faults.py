@@ -848,6 +848,32 @@ def test_a_killed_writers_leftovers_never_tear_a_later_write(tmp_path: Path) -> 
     record("a killed writer's partial files", injected=2, detected=2)
 
 
+def test_temporary_files_of_a_dead_process_with_our_pid_are_never_written_into(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A write-back's temporary file is ".<pid>-<n>.partial", n counting up in the process. A
+    # dead process that had this pid may have left files of those names: each is skipped
+    # (created exclusively), never written into, so no leftover bytes end up in a block.
+    import itertools
+
+    from cacheflow_jax.store import runtime_format
+
+    cache = _runtime_cache(tmp_path, device_bytes=1 << 20, host_bytes=0)
+    cache.put("kv:0", np.full(10, 1, np.int32))
+    cache.flush()
+    runtime = tmp_path / "rt" / "_runtime"
+    monkeypatch.setattr(runtime_format, "_TMP_SEQ", itertools.count())
+    junk = {n: os.urandom(70_000) for n in range(3)}
+    for n, data in junk.items():
+        (runtime / f".{os.getpid()}-{n}.partial").write_bytes(data)
+    cache.put("kv:0", np.full(100, 2, np.int32))
+    cache.flush()
+    reopened = cfj.open_store(tmp_path / "rt")
+    assert same_bits(reopened.read("kv:0").result(), np.full(100, 2, np.int32))
+    assert all((runtime / f".{os.getpid()}-{n}.partial").read_bytes() == data
+               for n, data in junk.items())  # fmt: skip
+
+
 @contextlib.contextmanager
 def _small_fs(path: Path, size: str):
     """A tmpfs of ``size`` mounted at ``path`` (skips where the machine cannot mount one)."""

@@ -14,7 +14,6 @@ import math
 import os
 import secrets
 import struct
-import tempfile
 import urllib.parse
 import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -345,10 +344,30 @@ def publish_file(path: str, data: bytes) -> bool:
     return True
 
 
+_TMP_SEQ = itertools.count()  # temporary files' names: unique in the process (its pid is in them)
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
 def _temporary(parent: str, data: bytes) -> str:
-    """A synced temporary file in ``parent`` (made if missing) holding ``data``; its path."""
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.getpid()}-", suffix=_TMP_SUFFIX)
+    """A synced temporary file in ``parent`` (made if missing) holding ``data``; its path.
+
+    Its name is ``.<pid>-<n>.partial`` (`remove_stale_temporaries` reads the pid), created
+    exclusively as ``tempfile.mkstemp`` does, without its random names, and ``parent`` is made
+    only when the create finds it missing (not checked on every write).
+    """
+    made = False
+    while True:
+        tmp = os.path.join(parent, f".{os.getpid()}-{next(_TMP_SEQ)}{_TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, _TMP_FLAGS, 0o600)
+            break
+        except FileExistsError:  # left by a dead process that had this pid: take the next
+            continue
+        except FileNotFoundError:
+            if made:
+                raise
+            os.makedirs(parent, exist_ok=True)
+            made = True
     try:
         try:
             view = memoryview(data)
