@@ -292,7 +292,7 @@ def check_runtime_key(key: object, store: str = "") -> str:
     return key
 
 
-# Temporary files of atomic writes are ``.<writer's pid>-<random>.partial`` beside the blocks: the
+# Temporary files of atomic writes are ``.<writer's pid>-<n>.partial`` beside the blocks: the
 # suffix keeps listings from mistaking one for a block, the pid lets a later open remove the
 # ones whose writer died.
 _TMP_SUFFIX = ".partial"
