@@ -187,6 +187,75 @@ def test_session_exposes_the_kv_calls(tmp_path: Path) -> None:
     assert len(lines) == 2  # the put and the found block
 
 
+# ------------------------------------------------------------------------------- put_many
+
+
+def _state(cache: cfj.TieredCache, keys: list[str]) -> tuple:
+    """Where every key is, and the counters and policy state that do not depend on timing."""
+    s = cache.stats()
+    return ([cache.locate(k) for k in keys], s["hits"], s["misses"], s["policy"], s["tiers"],
+            s["bytes"], s["writebacks"]["dirty_bytes"])  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_put_many_decides_as_puts_one_at_a_time(tmp_path: Path, seed: int) -> None:
+    # An engine's step of puts, between gets that hit L1 (buffered for the policy), promote
+    # from L2 and read L3: put_many leaves every block, counter and policy state as the same
+    # puts one at a time do, after every step.
+    rng = np.random.default_rng(seed)
+    one, many = (_cache(tmp_path / name, device_bytes=8 * KIB, host_bytes=16 * KIB,
+                        clock=lambda: 1000.0) for name in ("one", "many"))  # fmt: skip
+    keys: list[str] = []
+    for step in range(40):
+        # Reads first, after the last step's flush: no block is waiting for its write-back
+        # (such a block is an L2 hit until its write ends, then an L3 read: timing).
+        reads = [k for k in rng.choice(keys, size=min(len(keys), 6), replace=False)
+                 if one.locate(k) is not None] if keys else []  # fmt: skip
+        expected, got = one.get_many(reads), many.get_many(reads)
+        assert all(_same_tree(a, b) for a, b in zip(got, expected))
+        batch = [(f"kv:{step}.{j}", np.full(256, step * 10 + j, np.float32))
+                 for j in range(int(rng.integers(1, 8)))]  # fmt: skip
+        durable = bool(rng.integers(0, 4))
+        for key, block in batch:
+            one.put(key, block, writeback=durable)
+        many.put_many(batch, writeback=durable)
+        keys += [key for key, _ in batch]
+        one.flush()
+        many.flush()
+        assert _state(many, keys) == _state(one, keys), f"step {step}"
+    one.flush()
+    many.flush()
+    for key in keys:
+        if one.locate(key) is not None:
+            assert _same_tree(many.get(key), one.get(key))
+
+
+def test_put_many_checks_every_block_first_and_stops_at_a_pinned_key(tmp_path: Path) -> None:
+    cache = _cache(tmp_path / "s")
+    good = [(f"kv:{i}", np.full(16, i, np.float32)) for i in range(3)]
+    with pytest.raises(TypeError, match="kv:bad"):
+        cache.put_many(good + [("kv:bad", np.array(["x"]))] + good)
+    assert [cache.locate(k) for k, _ in good] == [None] * 3  # nothing went in
+    with pytest.raises(TypeError, match=r"\(key, block\) pairs"):
+        cache.put_many([("kv:0", np.ones(4, np.float32), "extra")])
+    cache.put("kv:p", np.ones(16, np.float32))
+    # As puts one at a time: the blocks before the pinned key go in, the rest do not.
+    with cache.pinned(["kv:p"]), pytest.raises(ValueError, match="kv:p.*pinned"):
+        cache.put_many(good[:2] + [("kv:p", np.zeros(16, np.float32))] + good[2:])
+    assert [cache.locate(k) for k, _ in good] == ["device", "device", None]
+    cache.put_many({"kv:2": good[2][1]})  # a dict of blocks
+    assert _same_tree(cache.get("kv:2"), good[2][1])
+
+
+def test_session_put_many_logs_each_block(tmp_path: Path) -> None:
+    cache = _cache(tmp_path / "s")
+    keys = prefix_keys(np.arange(48), block_tokens=16, salt="s")
+    with cfj.serving(cache, access_log=tmp_path / "log.jsonl") as s:
+        s.put_many([(k, _kv(i)) for i, k in enumerate(keys)])
+        assert s.cached_prefix(keys) == 3
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3
+
+
 # ------------------------------------------------------------------------------------- pins
 
 

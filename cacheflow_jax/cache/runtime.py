@@ -9,7 +9,7 @@ store's, never a block's bytes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax.cache.mover import DEVICE, Transit, room_in_place
@@ -36,10 +36,34 @@ class RuntimeBlocks:
 
     def put(self, key: str, value: Any, *, kind: str, writeback: bool) -> None:
         """See `TieredCache.put`."""
-        mover = self.mover
-        check_runtime_key(key, mover.store.spec)
+        key, value, info = self._checked(key, value, writeback)
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} for {key!r} must be one of {KINDS}")
+        self._put_checked(key, value, info, kind, writeback)
+
+    def put_many(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, kind: str,
+                 writeback: bool) -> None:  # fmt: skip
+        """See `TieredCache.put_many`."""
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} must be one of {KINDS}")
+        if isinstance(items, Mapping):
+            items = items.items()
+        blocks = []
+        for item in items:  # every block is checked before any goes in
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(
+                    f"put_many takes (key, block) pairs or a dict of blocks; got {item!r:.80}"
+                )
+            blocks.append(self._checked(*item, writeback))
+        done = self._put_in_place(blocks, kind, writeback) if self.mover.in_place else 0
+        for key, value, info in blocks[done:]:
+            self._put_checked(key, value, info, kind, writeback)
+
+    def _checked(self, key: str, value: Any, writeback: bool) -> tuple[str, Any, BlockInfo]:
+        """``put``'s checks of one block, before anything changes: ``(key, the value as L1 holds
+        it, its info)``, or the error that names the key."""
+        mover = self.mover
+        check_runtime_key(key, mover.store.spec)
         value, info = as_block(key, value)
         nbytes = info.nbytes
         device, wb = mover.tiers[DEVICE], mover.writeback
@@ -58,14 +82,23 @@ class RuntimeBlocks:
                 f"cannot put pytree block {key!r}: device_layout='slab' holds arrays only; "
                 "use device_layout='arrays' or put each leaf under its own key"
             )
-        value = device.load(value)
+        return key, device.load(value), info
+
+    def _put_checked(self, key: str, value: Any, info: BlockInfo, kind: str,
+                     writeback: bool) -> None:  # fmt: skip
+        """`put` of a checked block (`_checked`)."""
+        mover = self.mover
         transit = self._claim(key, info, kind, writeback, value)
-        if transit is None:  # installed in place, under the claim's hold of the lock
-            wb.start()
-            return
+        if transit is not None:  # else installed in place, under the claim's hold of the lock
+            self._install(key, value, info.nbytes, transit)
+        mover.writeback.start()
+
+    def _install(self, key: str, value: Any, nbytes: int, transit: Transit) -> None:
+        """Makes room in L1 and installs a claimed put (its transit ends with it)."""
+        mover = self.mover
         try:
             if not mover.make_room(DEVICE, nbytes, None):
-                raise mover.pins.no_room(key, nbytes, device.budget)
+                raise mover.pins.no_room(key, nbytes, mover.tiers[DEVICE].budget)
             with mover.lock:
                 mover.install(DEVICE, key, value, nbytes)
                 del mover.inflight[key]
@@ -77,7 +110,36 @@ class RuntimeBlocks:
             transit.finish(error=e)
             raise
         transit.finish(value=value)
-        wb.start()
+
+    def _put_in_place(self, blocks: list[tuple[str, Any, BlockInfo]], kind: str,
+                      writeback: bool) -> int:  # fmt: skip
+        """`put_many`'s puts where L1's victims move down without copies (`Mover.in_place`), in
+        one hold of the lock, in order, with `put`'s decisions; it stops before the first block
+        a put would have to wait for (its key moving, write-back room, pins) and returns how
+        many went in (the rest go through `put`)."""
+        mover = self.mover
+        wb = mover.writeback
+        done, left = 0, None
+        try:
+            with mover.lock:
+                mover.drain()
+                for key, value, info in blocks:
+                    nbytes = info.nbytes
+                    if mover.pins or key in mover.inflight:
+                        break
+                    durable = writeback or wb.is_dirty(key) or mover.store.holds(key)
+                    if durable and nbytes > wb.room(key):
+                        break
+                    transit = self._record(key, info, kind, durable)
+                    done += 1
+                    if not self._install_in_place(key, value, nbytes, transit):
+                        left = (key, value, nbytes, transit)  # ends below, as in `put`
+                        break
+            if left is not None:
+                self._install(*left)
+        finally:
+            wb.start()
+        return done
 
     def _claim(self, key: str, info: Any, kind: str, writeback: bool, value: Any) -> Transit | None:
         """Records the put under the lock once its key is not moving and write-back has room;
@@ -101,16 +163,7 @@ class RuntimeBlocks:
                         f"{wb.budget}; raise writeback_bytes"
                     )
                 if transit is None and (not durable or nbytes <= wb.room(key)):
-                    mover.discard(key)
-                    mover.runtime[key] = info
-                    mover.kinds[key] = kind
-                    if durable:
-                        wb.record_put(key, nbytes)
-                        mover.volatile.discard(key)
-                    else:
-                        mover.volatile.add(key)
-                    mover.inflight[key] = transit = Transit()
-                    mover.planner.access(key, mover.clock())
+                    transit = self._record(key, info, kind, durable)
                     if stalled is not None:
                         wb.count_stall(time.perf_counter() - stalled)
                     if mover.in_place and self._install_in_place(key, value, nbytes, transit):
@@ -122,6 +175,22 @@ class RuntimeBlocks:
             if stalled is None:
                 stalled = time.perf_counter()
             wb.wait_for_room(key, nbytes, deadline, mover.l3_timeout)
+
+    def _record(self, key: str, info: BlockInfo, kind: str, durable: bool) -> Transit:
+        """Under the lock: a put of ``key`` supersedes its cached copy and is shown to the policy;
+        returns its transit (the block is on its way into L1)."""
+        mover = self.mover
+        mover.discard(key)
+        mover.runtime[key] = info
+        mover.kinds[key] = kind
+        if durable:
+            mover.writeback.record_put(key, info.nbytes)
+            mover.volatile.discard(key)
+        else:
+            mover.volatile.add(key)
+        mover.inflight[key] = transit = Transit()
+        mover.planner.access(key, mover.clock())
+        return transit
 
     def _install_in_place(self, key: str, value: Any, nbytes: int, transit: Transit) -> bool:
         """Under the lock: `put`'s room and install where L1's victims move down without copies

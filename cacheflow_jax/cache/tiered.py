@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -215,6 +215,24 @@ class TieredCache:
           StoreError: the write-back budget stayed full for ``l3_timeout`` (L3 is failing).
         """
         self._runtime.put(key, value, kind=kind, writeback=writeback)
+
+    def put_many(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, kind: str = "kv",
+                 writeback: bool = True) -> None:  # fmt: skip
+        """`put` of each block in order, as an engine stores the KV blocks of one step: the
+        same decisions and the same result. Where L1's victims move down without copies (JAX's
+        CPU backend), the blocks that need no wait go in under one hold of the cache's lock
+        (docs/kv_cache.md).
+
+        Args:
+          items: ``(key, block)`` pairs, or a dict of blocks by key.
+          kind, writeback: as for `put`, for every block.
+
+        Raises:
+          TypeError, ValueError, DtypeError, BudgetError: as `put`. Every block is checked
+            before any goes in; an error past the checks (the pinned blocks leave no room, L3
+            keeps failing) leaves the blocks before it put.
+        """
+        self._runtime.put_many(items, kind=kind, writeback=writeback)
 
     def evict(self, key: str) -> bool:
         """Evicts ``key`` from L1 and L2 (writing a runtime block back); returns if it was there.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -82,6 +82,23 @@ class ServingSession:
         self.cache.put(key, value, kind=kind, writeback=writeback)
         if self._log is not None:
             self._log.record(key, req)
+
+    def put_many(
+        self,
+        items: Iterable[tuple[str, Any]] | Mapping[str, Any],
+        *,
+        kind: str = "kv",
+        writeback: bool = True,
+        req: str | None = None,
+    ) -> None:
+        """Stores several runtime blocks in order, as `put` does each (`TieredCache.put_many`):
+        the KV blocks an engine step computed, for example."""
+        if isinstance(items, Mapping):
+            items = items.items()
+        items = list(items)
+        self.cache.put_many(items, kind=kind, writeback=writeback)
+        if self._log is not None:
+            self._log.record_many([key for key, _ in items], req)
 
     def cached_prefix(self, keys: Iterable[str]) -> int:
         """How many leading ``keys`` any tier holds (`TieredCache.cached_prefix`)."""
