@@ -16,7 +16,8 @@ The engine batches continuously, one iteration at a time: a decode step for ever
 request, then up to ``--chunk`` blocks of prefill for the waiting ones in arrival order, with
 at most 100 requests in flight. A request starting its prefill asks the way how many leading
 blocks it holds, loads them and computes the rest (at least its last block, for the first
-token); each computed block is stored. A waiting request whose blocks the way is still reading
+token); each computed block is stored (cacheflow stores an iteration's blocks in one call at
+its end, or before a later lookup in it). A waiting request whose blocks the way is still reading
 up (cacheflow's staging from L3) is passed over for the next one until they are in, as vLLM's
 scheduler passes over a request whose KV a connector loads (``WAITING_FOR_REMOTE_KVS``); an
 engine with nothing else to run waits for them. Time is the engine's own: each iteration advances a
@@ -253,6 +254,7 @@ class Server:
                         running.append(r)
                     else:
                         self.release(r)
+            self.way.end_step()  # (cacheflow stores the step's blocks here: engine time)
             # The way's own measurements (cacheflow's put yardstick) are not engine time.
             step = time.perf_counter() - t0 - self.way.take_harness_seconds()
             vt += step
