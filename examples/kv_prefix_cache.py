@@ -7,8 +7,9 @@ The loop a JAX serving engine can copy (docs/kv_cache.md explains each step):
 1. key the prompt's full 16-token blocks by a hash chain (`cacheflow_jax.kv.prefix_keys`);
 2. ask the cache how many leading blocks it holds (`cached_prefix`), without reading them;
 3. pin those blocks while the request reads them (`pinned`) and compute only the rest;
-4. put each new block, a pytree of per-layer K and V, under its key (written back to L3 in the
-   background when it leaves L1/L2).
+4. store the new blocks, each a pytree of per-layer K and V under its key, in one `put_many`
+   (as an engine stores a step's KV; written back to L3 in the background when they leave
+   L1/L2).
 
 The model here is a toy: one attention layer per "layer", computed block by block so that a
 cached block's KV is bitwise the one a recompute would give; the script checks that.
@@ -65,8 +66,9 @@ def serve(params: dict, tokens: np.ndarray, s: cfj.ServingSession | None) -> tup
     past_k = np.zeros((LAYERS, MAX_PAST, DIM), np.float32)
     past_v = np.zeros_like(past_k)
     # At least the last block is computed: its hidden state gives the first token.
-    cached = min(s.cached_prefix(keys), len(keys) - 1) if s is not None else 0
-    computed = 0
+    held = s.cached_prefix(keys) if s is not None else 0
+    cached = min(held, len(keys) - 1)
+    computed, new = 0, []
     if s is not None and cached:
         with s.pinned(keys[:cached]) as blocks:  # in L1 until this request has read them
             for i, block in enumerate(blocks):
@@ -78,8 +80,10 @@ def serve(params: dict, tokens: np.ndarray, s: cfj.ServingSession | None) -> tup
         past_k[:, i * BLOCK : (i + 1) * BLOCK] = np.asarray(kv["k"])
         past_v[:, i * BLOCK : (i + 1) * BLOCK] = np.asarray(kv["v"])
         computed += 1
-        if s is not None and i >= s.cached_prefix(keys):
-            s.put(keys[i], kv)  # one key, one pytree block, written back in the background
+        if i >= held:  # (the last block may be held already: it is recomputed, not stored)
+            new.append((keys[i], kv))  # one key, one pytree block
+    if s is not None:
+        s.put_many(new)  # the request's new blocks in one call, written back in the background
     return hidden, computed
 
 
