@@ -215,11 +215,14 @@ def test_put_many_decides_as_puts_one_at_a_time(tmp_path: Path, seed: int) -> No
         assert all(_same_tree(a, b) for a, b in zip(got, expected))
         batch = [(f"kv:{step}.{j}", np.full(256, step * 10 + j, np.float32))
                  for j in range(int(rng.integers(1, 8)))]  # fmt: skip
+        if keys and step % 3 == 0:  # a key put again, in the batch and from an earlier step
+            batch += [(batch[0][0], np.full(256, -step, np.float32)),
+                      (str(rng.choice(keys)), np.full(256, -step - 0.5, np.float32))]  # fmt: skip
         durable = bool(rng.integers(0, 4))
         for key, block in batch:
             one.put(key, block, writeback=durable)
         many.put_many(batch, writeback=durable)
-        keys += [key for key, _ in batch]
+        keys += [key for key, _ in batch if key not in keys]
         one.flush()
         many.flush()
         assert _state(many, keys) == _state(one, keys), f"step {step}"
