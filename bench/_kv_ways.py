@@ -3,7 +3,8 @@
 Each way answers three calls of the engine: ``lookup(keys)`` (how many leading blocks it holds,
 without reading them), ``load(keys)`` (the blocks, on the device), ``store(key, block)`` (a block
 just computed); ``queued(keys)`` tells it a request arrived (cacheflow starts bringing its blocks
-up) and ``end_step()`` that an engine iteration ends. Blocks are pytrees ``{"k": [L, T, kv], "v": [L, T, kv]}`` of device arrays.
+up) and ``end_step()`` that an engine iteration ends. Blocks are pytrees ``{"k": [L, T, kv],
+"v": [L, T, kv]}`` of device arrays.
 
 | way | what it is | budgets |
 |---|---|---|

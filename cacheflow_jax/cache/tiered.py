@@ -228,9 +228,9 @@ class TieredCache:
           kind, writeback: as for `put`, for every block.
 
         Raises:
-          TypeError, ValueError, DtypeError, BudgetError: as `put`. Every block is checked
-            before any goes in; an error past the checks (the pinned blocks leave no room, L3
-            keeps failing) leaves the blocks before it put.
+          TypeError, ValueError, DtypeError, BudgetError, StoreError: as `put`. Every block
+            is checked before any goes in; an error past the checks (the pinned blocks leave no
+            room, L3 keeps failing) leaves the blocks before it put.
         """
         self._runtime.put_many(items, kind=kind, writeback=writeback)
 
