@@ -102,17 +102,19 @@ class KvCacheflow(Cacheflow):
     """`bench._kv_ways.Cacheflow` whose flushes wait up to `FLUSH_TIMEOUT` seconds.
 
     After the warm-up every KV block that L1 and L2 hold is dirty (blocks are written back
-    when they leave L2), and `TieredCache.flush` takes time quadratic in the dirty blocks
-    (about 25 s for 4,000 on 2 cores), longer than the default ``l3_timeout`` of 60 s on a
-    loaded machine; the warm-up is served in chunks of `WARM_CHUNK` requests, each followed by
+    when they leave L2), and a flush writes each (about 0.5 ms a block on 2 cores; until
+    3733c1d `TieredCache.flush` also took time quadratic in the dirty blocks, about 25 s for
+    4,000); the warm-up is served in chunks of `WARM_CHUNK` requests, each followed by
     ``settle`` (a flush of that chunk's blocks). The flushes are outside the measured requests.
     """
 
     def settle(self) -> None:
+        self.end_step()
         self.cache.flush(timeout=FLUSH_TIMEOUT)
         super().settle()
 
     def close(self) -> None:
+        self.end_step()
         self.cache.flush(timeout=FLUSH_TIMEOUT)
         super().close()
 
