@@ -222,7 +222,7 @@ def test_put_many_decides_as_puts_one_at_a_time(tmp_path: Path, seed: int) -> No
         for key, block in batch:
             one.put(key, block, writeback=durable)
         many.put_many(batch, writeback=durable)
-        keys += [key for key, _ in batch if key not in keys]
+        keys = list(dict.fromkeys(keys + [key for key, _ in batch]))
         one.flush()
         many.flush()
         assert _state(many, keys) == _state(one, keys), f"step {step}"
