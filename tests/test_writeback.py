@@ -77,6 +77,115 @@ def test_s3_store_refuses_an_older_version(s3_server: Any) -> None:
     assert store.read("k").result(30).tolist() == [2.0] * 4
 
 
+def _batch(tag: int) -> list[tuple[str, Any, Any]]:
+    """Items for `write_many`: arrays and a pytree block, 12 in all (two groups on disk)."""
+    rng = np.random.default_rng(tag)
+    items: list[tuple[str, Any, Any]] = [
+        (f"kv:{tag}:{i}", rng.integers(0, 255, 5 + i, dtype=np.uint8), next_version())
+        for i in range(11)
+    ]
+    tree = {"k": rng.standard_normal((2, 3)).astype(np.float32), "v": [np.arange(4, dtype=np.int16)]}
+    items.append((f"kv:{tag}:tree", tree, None))
+    return items
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("where", ["file", "memory", "s3"])
+def test_write_many_does_what_write_of_each_does(tmp_path: Path, where: str, request: Any) -> None:
+    """One outcome per item, in order: written, superseded (an older version of this writer),
+    or the error `write` raises for a refused block; every written block is readable at once
+    and durable after the future, in the order first written."""
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        url = f"s3://{server.bucket}/writeback/many"
+        opts = {"s3_endpoint": server.endpoint, "s3_region": server.region}
+        store, reopen = cfj.open_store(url, create=True, **opts), lambda: cfj.open_store(url, **opts)
+    else:
+        store = _stores(tmp_path)[0 if where == "file" else 1]
+        reopen = (lambda: cfj.open_store(tmp_path / "file")) if where == "file" else None
+    items = _batch(1)
+    newer = next_version()
+    old_key = items[3][0]
+    assert store.write(old_key, np.zeros(2, np.int8), version=newer).result(30) == WRITTEN
+    items.insert(5, ("kv:text", np.array(["a"]), None))  # refused: not a numeric array
+    before = list(store.keys())
+    future = store.write_many(items)
+    assert all(store.holds(k) for k, _, _ in items if k != "kv:text")
+    outcomes = future.result(30)
+    assert len(outcomes) == len(items)
+    for (key, _, _), outcome in zip(items, outcomes):
+        if key == "kv:text":
+            assert isinstance(outcome, ValueError) and "not a numeric" in str(outcome)
+        elif key == old_key:
+            assert outcome == SUPERSEDED
+        else:
+            assert outcome == WRITTEN, (key, outcome)
+    assert "kv:text" not in store.keys()
+    added = [k for k, _, _ in items if k not in ("kv:text", old_key)]
+    assert list(store.keys()) == before + added
+    for s in [store] + ([reopen()] if reopen else []):
+        for key, value, _ in items:
+            if key not in ("kv:text", old_key):
+                assert _same(s.read(key).result(30), value), key
+        assert s.read(old_key).result(30).tolist() == [0, 0]
+
+
+def test_write_many_fails_only_the_block_that_failed(tmp_path: Path) -> None:
+    """A block whose file cannot be replaced (a directory is in its place) is an error naming
+    it; the other blocks of its group are written."""
+    from cacheflow_jax.store.runtime_format import runtime_name
+
+    store = cfj.open_store(tmp_path / "s", create=True)
+    items = _batch(2)
+    bad = items[2][0]
+    (tmp_path / "s" / runtime_name(bad)).mkdir(parents=True)
+    (tmp_path / "s" / runtime_name(bad) / "x").write_bytes(b"x")  # not removable by a rename
+    outcomes = store.write_many(items).result(30)
+    for (key, value, _), outcome in zip(items, outcomes):
+        if key == bad:
+            assert isinstance(outcome, cfj.StoreError) and repr(bad) in str(outcome)
+        else:
+            assert outcome == WRITTEN
+            assert _same(cfj.open_store(tmp_path / "s").read(key).result(30), value)
+
+
+def test_a_batch_is_written_only_once_its_directory_is_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renames are durable only after their directory's sync: while it fails, no block of the
+    batch counts as written, the cache keeps them dirty and `flush` raises; once it works, the
+    next flush writes them all."""
+    from cacheflow_jax.store import runtime_area
+
+    def failing_sync(parent: str) -> None:
+        raise OSError(5, "Input/output error (injected)", parent)
+
+    store = cfj.open_store(tmp_path / "s", create=True)
+    monkeypatch.setattr(runtime_area, "sync_directory", failing_sync)
+    outcomes = store.write_many(_batch(3)).result(30)
+    assert all(isinstance(o, cfj.StoreError) and "injected" in str(o) for o in outcomes)
+    cache = cfj.TieredCache(store, device_bytes=1 << 16, host_bytes=0)
+    blocks = {f"kv:c{i}": np.full(64, i, np.int32) for i in range(40)}
+    cache.put_many(list(blocks.items()))
+    with pytest.raises(cfj.StoreError, match="injected"):
+        cache.flush()
+    assert cache.stats()["writebacks"]["count"] == 0
+    monkeypatch.undo()
+    cache.flush()
+    assert cache.stats()["writebacks"]["count"] == len(blocks)
+    again = cfj.open_store(tmp_path / "s")
+    for key, value in blocks.items():
+        assert _same(again.read(key).result(30), value)
+    record("directory sync failed under a write-back batch", injected=1, detected=1, lost=0)
+
+
 def test_two_caches_over_one_store_never_publish_older_bytes(tmp_path: Path) -> None:
     """Two caches share the process's version order: the later put's bytes are what L3 keeps,
     whichever write-back lands last."""

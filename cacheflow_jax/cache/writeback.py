@@ -42,6 +42,8 @@ from cacheflow_jax.store.runtime_format import SUPERSEDED, Version, next_version
 # Background threads that copy blocks to the host and hand them to the store (whose own threads
 # do the file or network I/O); two keep one encode going while another waits for the store.
 _THREADS = 2
+# Blocks handed to the store's `write_many` at once (a store without it gets one `write` each).
+_BATCH = 64
 
 
 class WriteBack:
@@ -161,8 +163,12 @@ class WriteBack:
         from cacheflow_jax.store.futures import thread_pool  # TensorStore's side: not for replay
 
         pool = thread_pool("writeback", _THREADS)
-        for item in todo:
-            pool.submit(self._write, *item)
+        if getattr(self.store, "write_many", None) is None:
+            for item in todo:
+                pool.submit(self._write, *item)
+            return
+        for start in range(0, len(todo), _BATCH):
+            pool.submit(self._write_many, todo[start : start + _BATCH])
 
     def _write(self, key: str, value: Any, version: Version, future: Future) -> None:
         """On a background thread: copies the block to the host and starts the store's write."""
@@ -171,55 +177,88 @@ class WriteBack:
             nbytes = sum(int(leaf.nbytes) for leaf in leaves_of(host))
             write = self.store.write(key, host, version=version)
         except BaseException as err:
-            self._done(key, version, future, 0, None, err)
+            self._done([(key, version, future, 0)], [err])
             return
-        write.add_done_callback(lambda f: self._done(key, version, future, nbytes, f, None))
 
-    def _done(
-        self,
-        key: str,
-        version: Version,
-        future: Future,
-        nbytes: int,
-        write: Any,
-        error: BaseException | None,
-    ) -> None:
-        """A write ended (on a store thread): records it and writes a newer parked version."""
-        outcome = None
-        if error is None:
+        def done(write: Any) -> None:
             try:
                 outcome = write.result(timeout=0)
             except BaseException as err:
-                error = err
+                outcome = err
+            self._done([(key, version, future, nbytes)], [outcome])
+
+        write.add_done_callback(done)
+
+    def _write_many(self, todo: list[tuple[str, Any, Version, Future]]) -> None:
+        """On a background thread: `_write` of several blocks, with one `write_many` of the
+        store (one future and one record of the outcomes for them all)."""
+        items, ends, outcomes = [], [], []
+        for key, value, version, future in todo:
+            try:
+                host = self._to_host(value)
+                nbytes = sum(int(leaf.nbytes) for leaf in leaves_of(host))
+            except BaseException as err:
+                ends.append((key, version, future, 0))
+                outcomes.append(err)
+                continue
+            items.append((key, host, version))
+            ends.append((key, version, future, nbytes))
+            outcomes.append(None)
+        written = [end for end, outcome in zip(ends, outcomes) if outcome is None]
+        failed = [(end, outcome) for end, outcome in zip(ends, outcomes) if outcome is not None]
+        if failed:
+            self._done([end for end, _ in failed], [outcome for _, outcome in failed])
+        if not items:
+            return
+        try:
+            write = self.store.write_many(items)
+        except BaseException as err:
+            self._done(written, [err] * len(written))
+            return
+        write.add_done_callback(lambda f: self._done(written, f.result()))
+
+    def _done(self, ends: list[tuple[str, Version, Future, int]], outcomes: list[Any]) -> None:
+        """Writes ended (on a store thread): ``ends`` are their ``(key, version, future,
+        nbytes)``, ``outcomes`` what each gave (the store's answer or an exception). Records
+        them and writes the newer versions parked meanwhile."""
+        todo = []
         with self.lock:
-            self._writing.pop(key, None)
-            self._futures.pop(key, None)
+            for (key, version, _, nbytes), outcome in zip(ends, outcomes):
+                todo += self._record(key, version, nbytes, outcome)
             self._written.notify_all()
-            if isinstance(error, ConflictError):
-                self._refused(key, error)
-                todo = []
-            elif error is not None:
-                self._errors[key] = error  # the block stays in memory for a retry
-                todo = []
+        for (_, _, future, _), outcome in zip(ends, outcomes):
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
             else:
-                # A later successful write of the key supersedes its earlier failure.
-                self._errors.pop(key, None)
-                if outcome == SUPERSEDED:
-                    self.counts["superseded"] += 1
-                else:
-                    self.counts["count"] += 1
-                    self.counts["bytes"] += nbytes
-                if key in self._dirty:
-                    if self._latest[key] == version:
-                        self._clean(key)
-                    else:
-                        self._durable[key] = max(self._durable.get(key, 0), version.seq)
-                todo = self._claim([key]) if key in self.parked else []
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(outcome)
+                future.set_result(outcome)
         self._submit(todo)
+
+    def _record(
+        self, key: str, version: Version, nbytes: int, outcome: Any
+    ) -> list[tuple[str, Any, Version, Future]]:
+        """Under the lock: one write ended with ``outcome``; returns the write to start next
+        (a newer version of the key parked meanwhile), if any."""
+        self._writing.pop(key, None)
+        self._futures.pop(key, None)
+        if isinstance(outcome, ConflictError):
+            self._refused(key, outcome)
+            return []
+        if isinstance(outcome, BaseException):
+            self._errors[key] = outcome  # the block stays in memory for a retry
+            return []
+        # A later successful write of the key supersedes its earlier failure.
+        self._errors.pop(key, None)
+        if outcome == SUPERSEDED:
+            self.counts["superseded"] += 1
+        else:
+            self.counts["count"] += 1
+            self.counts["bytes"] += nbytes
+        if key in self._dirty:
+            if self._latest[key] == version:
+                self._clean(key)
+            else:
+                self._durable[key] = max(self._durable.get(key, 0), version.seq)
+        return self._claim([key]) if key in self.parked else []
 
     def _refused(self, key: str, error: ConflictError) -> None:
         """Under the lock: the shared store holds other bytes under ``key``: ours are dropped

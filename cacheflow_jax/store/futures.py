@@ -283,10 +283,16 @@ class WriteFuture(StoreFuture):
         return raw
 
     def _error(self, err: BaseException) -> BaseException:
-        return StoreError(
-            f"writing runtime block {self._key!r} to store {self._store} ({self._where}) "
-            f"failed: {err}"
-        )
+        return write_error(err, self._key, self._store, self._where)
+
+
+def write_error(err: BaseException, key: str, store: str, where: str) -> BaseException:
+    """The error a failed runtime-block write reports (`WriteFuture.result` raises it): a
+    `StoreError` or ``TimeoutError`` as it is, anything else of ``Exception`` as a `StoreError`
+    naming the block."""
+    if isinstance(err, (StoreError, TimeoutError)) or not isinstance(err, Exception):
+        return err
+    return StoreError(f"writing runtime block {key!r} to store {store} ({where}) failed: {err}")
 
 
 class ReadyFuture(StoreFuture):

@@ -32,7 +32,8 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from cacheflow_jax.store.futures import (
     thread_pool,
     translate_error,
     wait_for,
+    write_error,
 )
 from cacheflow_jax.store.locations import list_keys, location, open_kvstore, resolve
 from cacheflow_jax.store.runtime_format import (
@@ -77,11 +79,14 @@ from cacheflow_jax.store.runtime_format import (
     runtime_name,
     same_value,
     supersedes,
+    sync_directory,
     writer,
 )
 
 # Write-backs run on their own threads (a write and its read-back block one thread each).
 _WRITE_THREADS = 8
+# `RuntimeArea.write_many` on local disk: blocks per job, whose directory is synced once.
+_GROUP = 8
 
 # A local block's compare-and-publish (read the header, write, rename) runs under one of these,
 # picked by the file's path, so that two writes of one file in this process never interleave
@@ -304,6 +309,84 @@ class RuntimeArea:
         self, key: str, value: np.ndarray | jax.Array, *, version: Version | None = None
     ) -> WriteFuture:
         """Starts writing a runtime block; see `TensorStoreStore.write`."""
+        name, data, arr, info = self._prepare(key, value, version)
+        with self.lock:
+            future = thread_pool("write", _WRITE_THREADS).submit(
+                self._write_sync, key, name, data, version
+            )
+            self._register(key, info, future, arr)
+
+        def _done(f: Any) -> None:
+            with self.lock:
+                self._settle(key, f, f.exception() is not None or f.result() == SUPERSEDED)
+
+        future.add_done_callback(_done)
+        return WriteFuture(future, key, self.label, self.where(name))
+
+    def write_many(self, items: Sequence[tuple[str, Any, Version | None]]) -> Future:
+        """Starts writing several runtime blocks ``(key, value, version)``, as `write` of each
+        would, with one future for all of them.
+
+        Its result is one outcome per item, in order: `WRITTEN`, `SUPERSEDED`, or the exception
+        that item's `write` would have raised (at once, or from its future's ``result()``). On
+        local disk the blocks go to the writer threads in groups, and each group's directory is
+        synced once, after its renames and before any of them counts as written; elsewhere each
+        block is its own job, as in `write`. Reads see every block from the moment this returns.
+        """
+        outcomes: list[Any] = [None] * len(items)
+        jobs = []
+        for i, (key, value, version) in enumerate(items):
+            try:
+                name, data, arr, info = self._prepare(key, value, version)
+            except Exception as err:  # what `write` raises at once
+                outcomes[i] = err
+                continue
+            jobs.append((i, key, name, data, version, arr, info))
+        batch: Future = Future()
+        if not jobs:
+            batch.set_result(outcomes)
+            return batch
+        size = _GROUP if self.root is not None and not self.shared else 1
+        groups = [jobs[g : g + size] for g in range(0, len(jobs), size)]
+        left = [len(groups)]
+
+        def run(group: list) -> None:
+            for i, key, name, data, version, _, _ in group:
+                try:
+                    outcomes[i] = self._write_sync(key, name, data, version, sync_dir=False)
+                except BaseException as err:
+                    outcomes[i] = write_error(err, key, self.label, self.where(name))
+            if size > 1 and any(outcomes[i] == WRITTEN for i, *_ in group):
+                try:  # (every runtime block file is in one directory)
+                    sync_directory(os.path.dirname(os.path.join(self.root, group[0][2])))
+                except Exception as err:  # the renames may not survive a power loss: not written
+                    for i, key, name, *_ in group:
+                        if outcomes[i] == WRITTEN:
+                            outcomes[i] = write_error(err, key, self.label, self.where(name))
+            with self.lock:
+                for i, key, *_ in group:
+                    self._settle(key, batch, outcomes[i] != WRITTEN)
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                batch.set_result(outcomes)
+
+        with self.lock:
+            for _, key, _, _, _, arr, info in jobs:
+                self._register(key, info, batch, arr)
+            pool = thread_pool("write", _WRITE_THREADS)
+            for group in groups:
+                pool.submit(run, group)
+        return batch
+
+    def _prepare(
+        self, key: str, value: Any, version: Version | None
+    ) -> tuple[str, bytes, Any, BlockInfo]:
+        """Checks and encodes a block to write: its file name, bytes, host copy and metadata.
+
+        Raises:
+          TypeError, ValueError: as `TensorStoreStore.write` says.
+        """
         check_runtime_key(key, self.label)
         if self._read_only:
             raise ValueError(f"cannot write runtime block {key!r}: store {self.label} is read-only")
@@ -319,38 +402,38 @@ class RuntimeArea:
             data = encode_runtime(arr, published=time.time())
         else:
             data = encode_runtime(arr, version)
-        with self.lock:
-            self._misses.pop(key, None)
-            future = thread_pool("write", _WRITE_THREADS).submit(
-                self._write_sync, key, name, data, version
-            )
-            if key not in self.table:
-                self.version += 1
-            self.table[key] = info
-            self.pending[key] = (future, arr)
+        return name, data, arr, info
 
-        def _done(f: Any) -> None:
-            with self.lock:
-                if self.pending.get(key, (None,))[0] is f:
-                    del self.pending[key]
-                    if f.exception() is not None or f.result() == SUPERSEDED:
-                        # What the store holds is not this value: read its header again.
-                        self.table[key] = None
+    def _register(self, key: str, info: BlockInfo, future: Any, arr: Any) -> None:
+        """Under the lock: a write of ``key`` started; reads are answered from ``arr`` until it
+        ends (`_settle`)."""
+        self._misses.pop(key, None)
+        if key not in self.table:
+            self.version += 1
+        self.table[key] = info
+        self.pending[key] = (future, arr)
 
-        future.add_done_callback(_done)
-        return WriteFuture(future, key, self.label, self.where(name))
+    def _settle(self, key: str, future: Any, unknown: bool) -> None:
+        """Under the lock: the write of ``key`` under ``future`` ended; ``unknown``: it failed or
+        was superseded, so what the store holds is not its value (the header is read again)."""
+        if self.pending.get(key, (None,))[0] is future:
+            del self.pending[key]
+            if unknown:
+                self.table[key] = None
 
     def where(self, name: str) -> str:
         """Where kvstore key ``name`` lives, for error messages."""
         return location(self.label, name)
 
-    def _write_sync(self, key: str, name: str, data: bytes, version: Version | None) -> str:
+    def _write_sync(
+        self, key: str, name: str, data: bytes, version: Version | None, *, sync_dir: bool = True
+    ) -> str:
         """Publishes one runtime block file atomically and reads it back (on a writer thread).
 
         With a ``version``, the block is published only if the store does not hold a later
         write of the same writer (compare-and-publish): on local disk under a lock of this
         process, on other kvstores by a write conditional on the generation whose header was
-        read.
+        read. ``sync_dir=False`` (local disk): the caller syncs the directory after the rename.
 
         Returns:
           `WRITTEN`, or `SUPERSEDED` when a later version was there (nothing was written).
@@ -369,7 +452,7 @@ class RuntimeArea:
                             return SUPERSEDED
                     elif self._stored_supersedes(key, name, version, path):
                         return SUPERSEDED
-                atomic_write_file(path, data)
+                atomic_write_file(path, data, sync_dir=sync_dir)
                 with open(path, "rb") as f:
                     back = f.read()
                 if back == data and version is not None and version.writer == writer():

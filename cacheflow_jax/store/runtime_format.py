@@ -298,11 +298,13 @@ def check_runtime_key(key: object, store: str = "") -> str:
 _TMP_SUFFIX = ".partial"
 
 
-def atomic_write_file(path: str, data: bytes) -> None:
+def atomic_write_file(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     """Writes ``data`` to ``path`` so that a crash leaves the old file or the new one, whole.
 
     The bytes go to a temporary file beside it, which is synced and then renamed over ``path``;
-    the directory is synced too, so the rename itself survives a power loss.
+    the directory is synced too, so the rename itself survives a power loss. ``sync_dir=False``
+    leaves that to the caller (`sync_directory`, once for several files of one directory): the
+    rename is durable only after it.
 
     Raises:
       OSError: the write failed (for example a full disk); the temporary file is removed.
@@ -315,7 +317,8 @@ def atomic_write_file(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _sync_dir(parent)
+    if sync_dir:
+        sync_directory(parent)
 
 
 def publish_file(path: str, data: bytes) -> bool:
@@ -340,7 +343,7 @@ def publish_file(path: str, data: bytes) -> bool:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-    _sync_dir(parent)
+    sync_directory(parent)
     return True
 
 
@@ -383,7 +386,7 @@ def _temporary(parent: str, data: bytes) -> str:
     return tmp
 
 
-def _sync_dir(parent: str) -> None:
+def sync_directory(parent: str) -> None:
     """Syncs a directory, so that a rename or link in it survives a power loss."""
     dir_fd = os.open(parent, os.O_RDONLY)
     try:

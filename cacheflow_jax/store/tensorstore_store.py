@@ -52,6 +52,7 @@ import dataclasses
 import math
 import types
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -250,6 +251,17 @@ class TensorStoreStore:
             or the store is read-only.
         """
         return self._rt.write(key, value, version=version)
+
+    def write_many(self, items: Sequence[tuple[str, Any, Version | None]]) -> Future:
+        """Starts writing several runtime blocks ``(key, value, version)`` with one future.
+
+        Each block is written as `write` writes it; on local disk several go to one writer
+        thread and their directory is synced once for them (it is synced before any counts as
+        written). The future's result is one outcome per item, in order: ``"written"``,
+        ``"superseded"``, or the exception that item's `write` would have raised (at once, or
+        from its future). The cache's write-back uses this to write what it evicted in batches.
+        """
+        return self._rt.write_many(items)
 
     # ---- Beyond the protocol
 
