@@ -3,7 +3,8 @@
 Each way answers three calls of the engine: ``lookup(keys)`` (how many leading blocks it holds,
 without reading them), ``load(keys)`` (the blocks, on the device), ``store(key, block)`` (a block
 just computed); ``queued(keys)`` tells it a request arrived (cacheflow starts bringing its blocks
-up) and ``end_step()`` that an engine iteration ends. Blocks are pytrees ``{"k": [L, T, kv],
+up), ``end_step()`` that an engine iteration ends and ``idle(seconds)`` that the engine has
+nothing to run until the next arrival (cacheflow's background work gets that time). Blocks are pytrees ``{"k": [L, T, kv],
 "v": [L, T, kv]}`` of device arrays.
 
 | way | what it is | budgets |
@@ -18,6 +19,7 @@ up) and ``end_step()`` that an engine iteration ends. Blocks are pytrees ``{"k":
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,11 @@ class Way:
 
     def end_step(self) -> None:
         """The engine's iteration ends (a way that stores a step's blocks at once does it here)."""
+
+    def idle(self, seconds: float) -> None:
+        """The engine has nothing to run for ``seconds`` of its clock, which jumps over them: a
+        way with background work may take up to that much real time to get on with it, as its
+        threads would in a real server's idle gap (a way without any returns at once)."""
 
     def ready(self, keys: list[str]) -> bool:
         """Whether a queued request's blocks are where its start can load them without waiting
@@ -259,6 +266,21 @@ class Cacheflow(Way):
         # Each block's share of the call (the put yardstick compares it with a device_put).
         self.put_seconds += [(time.perf_counter() - start) / len(blocks)] * len(blocks)
         self._step_blocks = []
+
+    def idle(self, seconds: float) -> None:
+        # The write-backs and stagings in flight get the gap, no more: what is left of them
+        # runs on into the engine's next iterations, as it would in real time.
+        deadline = time.perf_counter() + seconds
+        for future in self._ahead:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                future.result(timeout=left)
+        left = deadline - time.perf_counter()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                self.cache.wait_until_finished(timeout=left)
 
     def queued(self, keys: list[str]) -> None:
         self.end_step()

@@ -22,7 +22,11 @@ up (cacheflow's staging from L3) is passed over for the next one until they are 
 scheduler passes over a request whose KV a connector loads (``WAITING_FOR_REMOTE_KVS``); an
 engine with nothing else to run waits for them. Time is the engine's own: each iteration advances a
 clock by its measured wall time (less the time a way spends measuring its put yardstick), and the
-clock jumps over idle gaps to the next arrival. Request KV buffers come from a pool allocated once.
+clock jumps over idle gaps to the next arrival. The threads a way runs beside the engine
+(cacheflow's write-backs and stagings) would have an idle gap's real time to themselves: the
+harness gives them up to the gap's length of real time to finish what they have in flight
+(`Way.idle`) before the clock jumps, so that a gap compressed to nothing does not push their
+work into the engine's next iterations. Request KV buffers come from a pool allocated once.
 
 The measured requests are the trace's last ``--requests``; every way first serves the earlier
 requests as a warm-up (their blocks come from one precomputation, computed as the engine
@@ -219,6 +223,8 @@ class Server:
         vt = busy = 0.0
         while pending or queue or prefilling or running:
             if not (queue or prefilling or running):
+                if pending[0].arrival > vt:
+                    self.way.idle(pending[0].arrival - vt)  # (not engine time)
                 vt = max(vt, pending[0].arrival)
             while pending and pending[0].arrival <= vt:
                 r = pending.popleft()
