@@ -335,3 +335,24 @@ def test_interleavings_at_a_fixed_size(tmp_path: Path) -> None:
     record("runtime block re-put during its write-back", injected=reputs, detected=reputs,
            lost=wrong)  # fmt: skip
     assert wrong == 0 and reputs > 50
+
+
+def test_work_queue_runs_every_call_in_order_past_a_failing_one() -> None:
+    """The write-back's hand-over (`WorkQueue`): calls run on its worker in the order handed
+    over, and one that raises does not stop the ones after it."""
+    from cacheflow_jax.store.futures import WorkQueue
+
+    work = WorkQueue("test-order", 1)
+    seen: list[int] = []
+    done = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("a call that fails")
+
+    for i in range(50):
+        work.submit(seen.append, i)
+        if i == 20:
+            work.submit(boom)
+    work.submit(done.set)
+    assert done.wait(30)
+    assert seen == list(range(50))

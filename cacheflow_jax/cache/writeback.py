@@ -39,9 +39,11 @@ from cacheflow_jax.core.blocks import ConflictError, StoreError
 from cacheflow_jax.core.pytree import leaves_of
 from cacheflow_jax.store.runtime_format import SUPERSEDED, Version, next_version
 
-# Background threads that copy blocks to the host and hand them to the store (whose own threads
-# do the file or network I/O); two keep one encode going while another waits for the store.
-_THREADS = 2
+# The background thread that copies blocks to the host, encodes them and hands them to the store
+# (whose own threads do the file or network I/O and answer with a future, so it never waits for
+# them). One: every such thread takes the interpreter from the serving thread, and a second one
+# made puts slower without making write-backs faster (docs/kv_cache.md).
+_THREADS = 1
 # Blocks handed to the store's `write_many` at once (a store without it gets one `write` each).
 _BATCH = 64
 
@@ -160,9 +162,9 @@ class WriteBack:
     def _submit(self, todo: list[tuple[str, Any, Version, Future]]) -> None:
         if not todo:
             return
-        from cacheflow_jax.store.futures import thread_pool  # TensorStore's side: not for replay
+        from cacheflow_jax.store.futures import work_queue  # TensorStore's side: not for replay
 
-        pool = thread_pool("writeback", _THREADS)
+        pool = work_queue("writeback", _THREADS)
         if getattr(self.store, "write_many", None) is None:
             for item in todo:
                 pool.submit(self._write, *item)

@@ -10,6 +10,7 @@ from "failed".
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -349,4 +350,51 @@ def thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
             if entry is None or entry[0] != os.getpid():
                 pool = ThreadPoolExecutor(workers, thread_name_prefix=f"cacheflow-{name}")
                 entry = _POOLS[name] = (os.getpid(), pool)
+    return entry[1]
+
+
+class WorkQueue:
+    """Daemon threads that run handed-over calls, first come first served.
+
+    `submit` is one put on a ``queue.SimpleQueue``: no future, no Python-level lock, so a
+    serving step that hands work over allocates little and never waits on a lock a worker
+    holds (``ThreadPoolExecutor.submit`` takes its semaphore's lock, which a worker between
+    tasks may hold while it waits for the interpreter). A call records its own outcome; an
+    error that escapes it is dropped, as a ``ThreadPoolExecutor.submit`` nobody waits on drops
+    it. Pending calls are not run at interpreter exit: what must be durable is flushed first
+    (`TieredCache.close`).
+    """
+
+    def __init__(self, name: str, workers: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(workers):
+            threading.Thread(target=self._run, name=f"cacheflow-{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs ``fn(*args)`` on a worker."""
+        self._queue.put((fn, args))
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            fn, args = get()
+            try:
+                fn(*args)
+            except BaseException:  # noqa: S110  (recorded by the call itself, see above)
+                pass
+            del fn, args  # drop the references while waiting for the next call
+
+
+_QUEUES: dict[str, tuple[int, WorkQueue]] = {}  # name -> (pid that made it, queue)
+
+
+def work_queue(name: str, workers: int) -> WorkQueue:
+    """The process's `WorkQueue` called ``name`` (made on first use, and again after a fork,
+    whose copy has no threads)."""
+    entry = _QUEUES.get(name)
+    if entry is None or entry[0] != os.getpid():
+        with _POOLS_LOCK:
+            entry = _QUEUES.get(name)
+            if entry is None or entry[0] != os.getpid():
+                entry = _QUEUES[name] = (os.getpid(), WorkQueue(name, workers))
     return entry[1]

@@ -83,8 +83,13 @@ from cacheflow_jax.store.runtime_format import (
     writer,
 )
 
-# Write-backs run on their own threads (a write and its read-back block one thread each).
+# Write-backs run on their own threads (a write and its read-back block one thread each). On
+# an object store a thread mostly waits for the server, so many overlap its round trips; on
+# local disk a thread runs Python between its system calls, and each such thread takes the
+# interpreter from the serving thread: 8 of them made a put of a KV block wait 383 us for the
+# cache's lock against 128 us with 2 (docs/kv_cache.md), so local writes get 2.
 _WRITE_THREADS = 8
+_LOCAL_WRITE_THREADS = 2
 # `RuntimeArea.write_many` on local disk: blocks per job, whose directory is synced once.
 _GROUP = 8
 
@@ -311,7 +316,7 @@ class RuntimeArea:
         """Starts writing a runtime block; see `TensorStoreStore.write`."""
         name, data, arr, info = self._prepare(key, value, version)
         with self.lock:
-            future = thread_pool("write", _WRITE_THREADS).submit(
+            future = self._pool().submit(
                 self._write_sync, key, name, data, version
             )
             self._register(key, info, future, arr)
@@ -374,10 +379,16 @@ class RuntimeArea:
         with self.lock:
             for _, key, _, _, _, arr, info in jobs:
                 self._register(key, info, batch, arr)
-            pool = thread_pool("write", _WRITE_THREADS)
+            pool = self._pool()
             for group in groups:
                 pool.submit(run, group)
         return batch
+
+    def _pool(self) -> Any:
+        """The writer threads of this area's writes (see `_LOCAL_WRITE_THREADS`)."""
+        if self.root is not None:
+            return thread_pool("write-local", _LOCAL_WRITE_THREADS)
+        return thread_pool("write", _WRITE_THREADS)
 
     def _prepare(
         self, key: str, value: Any, version: Version | None
