@@ -4,8 +4,8 @@ Each way answers three calls of the engine: ``lookup(keys)`` (how many leading b
 without reading them), ``load(keys)`` (the blocks, on the device), ``store(key, block)`` (a block
 just computed); ``queued(keys)`` tells it a request arrived (cacheflow starts bringing its blocks
 up), ``end_step()`` that an engine iteration ends and ``idle(seconds)`` that the engine has
-nothing to run until the next arrival (cacheflow's background work gets that time). Blocks are pytrees ``{"k": [L, T, kv],
-"v": [L, T, kv]}`` of device arrays.
+nothing to run until the next arrival (cacheflow's background work gets that time). Blocks are
+pytrees ``{"k": [L, T, kv], "v": [L, T, kv]}`` of device arrays.
 
 | way | what it is | budgets |
 |---|---|---|
