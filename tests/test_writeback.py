@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _bits import same_bits
 from _faults import record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -90,11 +91,12 @@ def _batch(tag: int) -> list[tuple[str, Any, Any]]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """`same_bits` over a block's tree (dicts and lists of arrays)."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return same_bits(a, b)
 
 
 @pytest.mark.parametrize("where", ["file", "memory", "s3"])
