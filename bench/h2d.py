@@ -1,12 +1,18 @@
 """Host-to-device paths for one block size: numpy -> device, pinned_host -> device, and the cache.
 
-Run: ``python -m bench.h2d [--block-mib 4] [--blocks 16] [--runs 7]``
+Run: ``python -m bench.h2d [--block-mib 4] [--blocks 16] [--runs 7] [--leaves 2000]``
 
 Reports GB/s (median and p95 over runs, after a warm-up) for ``jax.device_put`` of numpy arrays,
 for arrays already in ``pinned_host`` memory moved with ``device_put`` (JAX's own host
 offloading), and for L2 -> L1 promotions through `TieredCache` (blocks resident in L2, each
 ``get`` promotes one). On a CPU backend "device" is host memory; the numbers mean something only
 on an accelerator.
+
+Then the cost per leaf of small leaves (1 KiB, bfloat16, as in a KV block), where the time is
+JAX's Python rather than bytes: ``jax.device_put`` of a list of numpy leaves against the cache's
+`Placement.put`, and committing a leaf already on the device with
+``jax.make_array_from_single_device_arrays`` against `Placement.commit` (us per leaf, median and
+p95 over runs, and the ratio per run).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-mib", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--leaves", type=int, default=2000, help="small leaves per timed call")
     args = parser.parse_args(argv)
     dev = jax.devices()[0]
     n = args.block_mib << 20
@@ -79,7 +86,47 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = total if "promotion" not in name else n * (args.blocks - 1)
         med, p95 = _gbps(nbytes, secs)
         print(f"{name:28s} median {med:7.2f} GB/s  p95 {p95:7.2f} GB/s")
+    _small_leaves(dev, args.leaves, args.runs)
     return 0
+
+
+def _small_leaves(dev: jax.Device, count: int, runs: int) -> None:
+    """Per-leaf time of the public calls and of `Placement` for 1 KiB leaves (module docstring)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from cacheflow_jax.tiers.placement import Placement
+
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    placement = Placement(dev, sharding)
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((2, 16, 16)).astype(ml_dtypes.bfloat16) for _ in range(count)]
+    # Uncommitted arrays on the device, as a jitted step returns them.
+    on_device = jax.block_until_ready(list(jax.jit(lambda x: [y + 0 for y in x])(host[:64])))
+    on_device = (on_device * (count // len(on_device) + 1))[:count]
+    assert not on_device[0].committed
+    ways = {
+        "device_put (list)": lambda: jax.device_put(host, dev),
+        "Placement.put": lambda: placement.put(host),
+        "make_array_from_single_device_arrays": lambda: [
+            jax.make_array_from_single_device_arrays(x.shape, sharding, [x]) for x in on_device],
+        "Placement.commit": lambda: [placement.commit(x) for x in on_device],
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for run in range(runs + 1):  # the first is a warm-up (and Placement's first checks)
+        for name, fn in ways.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            if run:
+                times[name].append((time.perf_counter() - start) / count * 1e6)
+    print(f"small leaves ({count} x 1 KiB bfloat16 per call, us per leaf over {runs} runs)")
+    for name, us in times.items():
+        print(f"  {name:38s} median {statistics.median(us):6.2f}  p95 {np.percentile(us, 95):6.2f}")
+    for fast, slow in (("Placement.put", "device_put (list)"),
+                       ("Placement.commit", "make_array_from_single_device_arrays")):
+        ratios = [a / b for a, b in zip(times[fast], times[slow])]
+        print(f"  {fast} / {slow}: median {statistics.median(ratios):.2f}x  "
+              f"p95 {np.percentile(ratios, 95):.2f}x")
 
 
 if __name__ == "__main__":

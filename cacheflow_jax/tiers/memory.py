@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax.core.blocks import BudgetError, DtypeError
 from cacheflow_jax.core.pytree import TREES, leaves_of, tree_map
+from cacheflow_jax.tiers.placement import Placement
 
 if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX or numpy
     import jax
@@ -119,39 +120,42 @@ class DeviceTier(AbstractTier):
         super().__init__(budget, setting="device_bytes")
         self.device = device if device is not None else jax.local_devices()[0]
         self.sharding = jax.sharding.SingleDeviceSharding(self.device)
+        self.placement = Placement(self.device, self.sharding)
         self.host_memory = self.device.platform == "cpu"
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
         """The block (an array, or a pytree of arrays: `_pytree`) on the device."""
-        return to_device(value, self.device, owned=owned, sharding=self.sharding)
+        return to_device(value, self.device, owned=owned, placement=self.placement)
 
     def load_many(self, values: list[Any], *, owned: bool = False) -> list[Any]:
-        """`load` of several blocks in one ``jax.device_put``."""
-        return to_device(list(values), self.device, owned=owned, sharding=self.sharding)
+        """`load` of several blocks in one batch of transfers."""
+        return to_device(list(values), self.device, owned=owned, placement=self.placement)
 
 
 def to_device(
-    value: Any, device: jax.Device, *, owned: bool = False, sharding: Any = None
+    value: Any, device: jax.Device, *, owned: bool = False, placement: Placement | None = None
 ) -> Any:
     """``value`` (an array or a pytree of arrays) as ready arrays on ``device``, committed.
 
     Every leaf is committed to ``device``, as a block coming from any other tier is, so that a
     jitted function taking blocks compiles once wherever each came from (an uncommitted array
     is another cache entry); a leaf already there is not copied. The leaves that move go in one
-    ``jax.device_put`` call. An ``owned`` host block (see `AbstractTier.load`) may become the
+    batch (`Placement.put`). An ``owned`` host block (see `AbstractTier.load`) may become the
     device array itself where the device's memory is host memory (the CPU backend, with a
     64-byte aligned buffer, as `_fastread`'s are): an L2 -> L1 move is then free, as it is in
     fact. A caller's array is copied: the CPU backend aliases an aligned numpy array whatever
     ``may_alias`` says (jax 0.10), and the caller may write into it later.
 
-    ``sharding``: ``SingleDeviceSharding(device)``, when the caller keeps one (a tenth of the
-    cost of committing a leaf is making it).
+    ``placement``: the device's `Placement`, when the caller keeps one (it makes committing a
+    leaf and moving a small one cost a fraction of the public calls; `DeviceTier` has one).
 
     Raises:
       DtypeError: the device changed a dtype (callers check with `check_device_dtype` first).
     """
     import jax
 
+    if placement is None:
+        placement = Placement(device, jax.sharding.SingleDeviceSharding(device))
     tree = type(value) in TREES
     leaves = leaves_of(value) if tree else [value]
     moving = []
@@ -160,10 +164,7 @@ def to_device(
         if isinstance(leaf, jax.Array) and leaf.devices() == {device}:
             if not leaf.committed:
                 changed = True
-                # The same buffer, committed (a tenth of what a device_put costs).
-                if sharding is None:
-                    sharding = jax.sharding.SingleDeviceSharding(device)
-                leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, [leaf])
+                leaves[i] = placement.commit(leaf)  # the same buffer, committed
             continue
         if not owned and device.platform == "cpu" and not isinstance(leaf, jax.Array):
             import numpy as np
@@ -171,8 +172,7 @@ def to_device(
             leaf = np.array(leaf, copy=True)
         moving.append((i, leaf))
     if moving:
-        out = jax.device_put([leaf for _, leaf in moving], device,
-                             may_alias=True if owned else None)  # fmt: skip
+        out = placement.put([leaf for _, leaf in moving], may_alias=True if owned else None)
         for (i, leaf), moved in zip(moving, out):
             if moved.dtype != leaf.dtype:
                 raise DtypeError(

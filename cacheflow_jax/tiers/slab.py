@@ -35,6 +35,7 @@ import numpy as np
 
 from cacheflow_jax.core.blocks import BudgetError
 from cacheflow_jax.tiers.memory import AbstractTier, DeviceTier, to_device
+from cacheflow_jax.tiers.placement import Placement
 from pallas_kernels import gather_lines, pack_lines
 
 DEVICE_LAYOUTS = ("arrays", "slab")
@@ -261,6 +262,7 @@ class SlabTier(AbstractTier):
             raise BudgetError(f"line_bytes={line_bytes!r} must be a positive integer")
         self.device = device if device is not None else jax.local_devices()[0]
         self.sharding = jax.sharding.SingleDeviceSharding(self.device)
+        self.placement = Placement(self.device, self.sharding)
         self.host_memory = self.device.platform == "cpu"
         self.line_bytes = int(line_bytes)
         self.slab = LineSlab(
@@ -285,7 +287,7 @@ class SlabTier(AbstractTier):
 
     def load(self, value: Any, *, owned: bool = False) -> jax.Array:
         """The block as a device array (the array a miss hands to the caller)."""
-        return to_device(value, self.device, owned=owned, sharding=self.sharding)
+        return to_device(value, self.device, owned=owned, placement=self.placement)
 
     def put_reserved(self, key: str, value: Any, nbytes: int) -> None:
         value = value if isinstance(value, jax.Array) else self.load(value)
