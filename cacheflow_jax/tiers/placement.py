@@ -45,6 +45,8 @@ class Placement:
     def commit(self, leaf: jax.Array) -> jax.Array:
         """``leaf``, an uncommitted array on the device, as the same buffer committed to it
         (what ``jax.make_array_from_single_device_arrays(leaf.shape, sharding, [leaf])`` returns).
+        The caller checks that ``leaf`` is on the device and uncommitted (an uncommitted array
+        is in the device's default memory, as ``sharding`` says).
         """
         ok = self._checked.get((False, leaf.dtype))
         if ok:
