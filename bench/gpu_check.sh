@@ -27,10 +27,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   #    jax.device_put. One table.
   timeout 150 $PY -m bench.gpu_kernels --runs 5 --out "$OUT"
   # 2. The tests that touch the device: kernels (compiled Pallas in the base classes, interpret
-  #    mode in the Interpret ones), the slab, embedding lookups, the cache on both layouts.
+  #    mode in the Interpret ones), the slab, embedding lookups, the cache on both layouts, and
+  #    `Placement` (jaxlib's own transfer calls must agree with the public ones on this device).
   #    Deprecation warnings are shown, not raised: newer JAX deprecates Pallas' Triton backend.
   timeout 240 $PY -m pytest -q -x -p no:cacheprovider -m "not s3" -W default::DeprecationWarning \
-    tests/test_kernels.py tests/test_slab.py tests/test_embedding.py tests/test_cache.py 2>&1 \
+    tests/test_kernels.py tests/test_slab.py tests/test_embedding.py tests/test_cache.py \
+    tests/test_placement.py 2>&1 \
     | tail -25
   # 3. Embedding lookups, slab against one array per row, on the GPU; host->device paths.
   timeout 90 $PY -m bench.embedding --no-demo --runs 3 --out "$OUT"
