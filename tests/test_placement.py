@@ -109,3 +109,14 @@ def test_to_device_with_a_tier_placement_keeps_blocks() -> None:
         for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(block)):
             assert a.committed and a.sharding == tier.sharding
             assert same_bits(np.asarray(a), np.asarray(b))
+
+
+def test_to_device_without_a_placement_shares_one_per_device() -> None:
+    from cacheflow_jax.tiers.placement import placement_for
+
+    host = _host(np.int8)
+    for _ in range(2):
+        assert same_bits(np.asarray(to_device(host, DEVICE)), host)
+    assert placement_for(DEVICE) is placement_for(DEVICE)
+    if placement_module.direct_calls()[0] is not None:
+        assert placement_for(DEVICE).direct(np.int8, host=True) is True

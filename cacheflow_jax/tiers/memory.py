@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cacheflow_jax.core.blocks import BudgetError, DtypeError
 from cacheflow_jax.core.pytree import TREES, leaves_of, tree_map
-from cacheflow_jax.tiers.placement import Placement
+from cacheflow_jax.tiers.placement import Placement, placement_for
 
 if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JAX or numpy
     import jax
@@ -147,7 +147,8 @@ def to_device(
     ``may_alias`` says (jax 0.10), and the caller may write into it later.
 
     ``placement``: the device's `Placement`, when the caller keeps one (it makes committing a
-    leaf and moving a small one cost a fraction of the public calls; `DeviceTier` has one).
+    leaf and moving a small one cost a fraction of the public calls; `DeviceTier` has one);
+    else the process's one for ``device`` (`placement_for`).
 
     Raises:
       DtypeError: the device changed a dtype (callers check with `check_device_dtype` first).
@@ -155,7 +156,7 @@ def to_device(
     import jax
 
     if placement is None:
-        placement = Placement(device, jax.sharding.SingleDeviceSharding(device))
+        placement = placement_for(device)
     tree = type(value) in TREES
     leaves = leaves_of(value) if tree else [value]
     moving = []

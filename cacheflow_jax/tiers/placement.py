@@ -137,6 +137,21 @@ class Placement:
             return False
 
 
+_SHARED: dict[Any, Placement] = {}  # device -> its Placement, for callers that keep none
+
+
+def placement_for(device: jax.Device) -> Placement:
+    """The process's `Placement` for ``device`` (made on first use), so that a dtype's first
+    check runs once per device, not once per call."""
+    placement = _SHARED.get(device)
+    if placement is None:
+        import jax
+
+        placement = _SHARED.setdefault(
+            device, Placement(device, jax.sharding.SingleDeviceSharding(device)))
+    return placement
+
+
 def _bits(array: Any) -> Any:
     """The array's bytes, so that NaNs compare by their bits."""
     import numpy as np
