@@ -176,3 +176,41 @@ def test_in_place_staging_decides_as_the_general_path(
     monkeypatch.setattr(mover_module, "DeviceTier", type("NoTier", (), {}))
     slow = _stage(tmp_path / "slow", seed=5)
     assert fast == slow
+
+
+def test_only_arrays_on_l1s_own_placement_move_in_place() -> None:
+    """`can_move_in_place`'s quick accept (a dict of arrays on L1's sharding, committed) takes
+    what the full check takes and nothing else: an uncommitted leaf, a numpy leaf or a nested
+    block goes through the full check, which refuses the first two."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from cacheflow_jax.cache.in_place import can_move_in_place
+    from cacheflow_jax.tiers.memory import DeviceTier
+
+    tier = DeviceTier(64 * KIB)
+    mover = SimpleNamespace(in_place=True, tiers=[tier])  # what the check reads of a Mover
+    first = {"k": tier.load(np.ones(4, np.float32))}  # a dtype's first leaf: the public call's
+    assert can_move_in_place(mover, first)
+    placed = {"k": tier.load(np.ones(4, np.float32)), "v": tier.load(np.zeros(4, np.float32))}
+    assert all(leaf.sharding is tier.sharding for leaf in placed.values())  # the quick accept
+    assert can_move_in_place(mover, placed)
+    assert can_move_in_place(mover, {"layer": placed})  # nested: the full check says yes
+    assert not can_move_in_place(mover, {"k": placed["k"], "v": jnp.zeros(4)})  # uncommitted
+    assert not can_move_in_place(mover, {"k": placed["k"], "v": np.zeros(4, np.float32)})
+    assert not can_move_in_place(SimpleNamespace(in_place=False, tiers=[tier]), placed)
+
+
+@pytest.mark.parametrize(("chars", "fits"), [(80, True), (81, False)])
+def test_a_key_fits_a_file_name_once_percent_encoded(tmp_path: Path, chars: int,
+                                                      fits: bool) -> None:  # fmt: skip
+    """Every ':' becomes 3 characters: 80 of them make a 240-character name (the limit)."""
+    from cacheflow_jax.store.runtime_format import check_runtime_key
+
+    key = ":" * chars
+    if fits:
+        assert check_runtime_key(key) == key
+    else:
+        with pytest.raises(ValueError, match="too long"):
+            check_runtime_key(key)

@@ -120,3 +120,20 @@ def test_to_device_without_a_placement_shares_one_per_device() -> None:
     assert placement_for(DEVICE) is placement_for(DEVICE)
     if placement_module.direct_calls()[0] is not None:
         assert placement_for(DEVICE).direct(np.int8, host=True) is True
+
+
+def test_a_narrowed_dtype_is_refused_after_kept_ones_were_checked() -> None:
+    """`check_device_dtype` remembers dtypes JAX keeps (under 8 bytes); 64-bit ones are checked
+    every time, so float64 with x64 off is refused however many blocks came before."""
+    import jax
+
+    from cacheflow_jax.core.blocks import DtypeError
+    from cacheflow_jax.tiers.memory import check_device_dtype
+
+    for dtype in (np.float32, np.dtype("bfloat16"), np.int8, np.float32):
+        check_device_dtype(np.dtype(dtype), "kv:kept")
+    assert not jax.config.jax_enable_x64  # JAX's default, as the suite runs
+    with pytest.raises(DtypeError, match="kv:narrowed"):
+        check_device_dtype(np.dtype(np.float64), "kv:narrowed")
+    with pytest.raises(DtypeError):
+        check_device_dtype(np.dtype(np.float64), "kv:narrowed")

@@ -36,6 +36,12 @@ def can_move_in_place(mover: Mover, value: Any) -> bool:
     import jax
 
     sharding = mover.tiers[DEVICE].sharding
+    if type(value) is dict:  # a block's usual pytree (K and V): accepted without `leaves_of`
+        for leaf in value.values():
+            if not (isinstance(leaf, jax.Array) and leaf.sharding is sharding and leaf.committed):
+                break
+        else:
+            return True
     if type(value) in TREES:
         return all(isinstance(leaf, jax.Array) and leaf.committed and leaf.sharding == sharding
                    for leaf in leaves_of(value))  # fmt: skip

@@ -247,9 +247,10 @@ class RuntimeBlocks:
 
     def cached_prefix(self, keys: Iterable[str]) -> int:
         """See `TieredCache.cached_prefix`."""
+        runtime = self.mover.runtime  # a runtime block put here is in a tier, moving or in L3
         n = 0
         for key in keys:
-            if self.locate(key) is None:
+            if key not in runtime and self.locate(key) is None:
                 break
             n += 1
         return n

@@ -69,6 +69,7 @@ def numeric(dtype: np.dtype) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1 << 16)  # every L3 read and write of a block names its file
 def runtime_name(key: str) -> str:
     """The kvstore key (relative to the store root) of runtime block ``key``."""
     return RUNTIME_PREFIX + urllib.parse.quote(key, safe="-_~") + RUNTIME_SUFFIX
@@ -276,12 +277,14 @@ def check_runtime_key(key: object, store: str = "") -> str:
             "read-only; use a key without it for runtime blocks"
         )
     try:
-        key.encode("utf-8")
+        size = len(key.encode("utf-8"))
     except UnicodeEncodeError as err:
         raise ValueError(
             f"runtime block key {key!r} is not valid UTF-8 ({err.reason} at position "
             f"{err.start}); use a key of printable characters"
         ) from None
+    if 3 * size <= MAX_RUNTIME_NAME:  # percent-encoding makes at most 3 characters of a byte
+        return key
     name = urllib.parse.quote(key, safe="-_~")
     if len(name) > MAX_RUNTIME_NAME:
         raise ValueError(

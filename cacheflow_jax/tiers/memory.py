@@ -24,6 +24,12 @@ if TYPE_CHECKING:  # imported where used: replay's metadata tiers run without JA
 PRESENT = True
 
 
+# Dtypes of fewer than 8 bytes that `check_device_dtype` found JAX keeps as they are: JAX narrows
+# only 64-bit types (and complex128), so whether ``jax_enable_x64`` is on does not change that,
+# and the check of a block on every access is one set lookup.
+_KEPT_DTYPES: set[Any] = set()
+
+
 def check_device_dtype(dtype: np.dtype, key: str) -> None:
     """Raises `DtypeError` if JAX would change ``dtype`` on the way to the device.
 
@@ -31,11 +37,16 @@ def check_device_dtype(dtype: np.dtype, key: str) -> None:
     arrays (int64 -> int32, float64 -> float32, complex128 -> complex64); a cache must never
     serve or write back such a changed block.
     """
+    if dtype in _KEPT_DTYPES:
+        return
     import jax
     import numpy as np
 
     dtype = np.dtype(dtype)
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    kept = jax.dtypes.canonicalize_dtype(dtype)
+    if kept == dtype and dtype.itemsize < 8:
+        _KEPT_DTYPES.add(dtype)
+    if kept != dtype:
         narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
         raise DtypeError(
             f"block {key!r} has dtype {dtype}, which JAX would silently narrow to {narrowed} on "
