@@ -405,3 +405,84 @@ def test_weight_chunks_from_l1_l2_and_l3_share_one_compilation(tmp_path: Path) -
             f(cache.get(f"w@{i},0")).block_until_ready()
     assert {"device", "host", "store"} <= where, where
     assert f._cache_size() == 1
+
+
+# ------------------------------------------------------------------- puts in the background
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_put_many_without_waiting_serves_only_the_newest_values(tmp_path: Path, seed: int) -> None:
+    # put_many(wait=False) returns before its installs: from then on the blocks are counted by
+    # cached_prefix and a get returns the new value (waiting for it if need be), never an older
+    # one; after flush every key holds its newest value in some tier and the budgets held. Keys
+    # are put again within a call and across calls, with reads between.
+    rng = np.random.default_rng(seed)
+    cache = _cache(tmp_path / "s", device_bytes=8 * KIB, host_bytes=16 * KIB)
+    newest: dict[str, np.ndarray] = {}
+    futures = []
+    for step in range(40):
+        batch = [(f"kv:{step}.{j}", np.full(256, step * 10 + j, np.float32))
+                 for j in range(int(rng.integers(1, 8)))]  # fmt: skip
+        if newest and step % 3 == 0:
+            batch += [(batch[0][0], np.full(256, -step, np.float32)),
+                      (str(rng.choice(list(newest))), np.full(256, -step - 0.5, np.float32))]  # fmt: skip
+        futures.append(cache.put_many(batch, wait=False))
+        for key, block in batch:
+            newest[key] = block
+        assert cache.cached_prefix([key for key, _ in batch]) == len(batch)
+        reads = [str(k) for k in rng.choice(list(newest), size=min(len(newest), 6), replace=False)]
+        for key, got in zip(reads, cache.get_many(reads)):
+            assert _same_tree(got, newest[key]), (step, key)
+        cache.check_budgets()
+    cache.flush()
+    assert all(f.done() and f.exception() is None for f in futures)
+    for key, block in newest.items():
+        assert _same_tree(cache.get(key), block), key
+    cache.close()
+    reopened = _cache(tmp_path / "s")
+    for key, block in newest.items():
+        assert _same_tree(reopened.get(key), block), key
+
+
+def test_put_many_without_waiting_checks_first_and_refuses_what_put_refuses(
+    tmp_path: Path,
+) -> None:
+    cache = _cache(tmp_path / "s", device_bytes=4 * KIB, host_bytes=4 * KIB)
+    with pytest.raises(TypeError, match="kv:bad"):  # checked before the call returns
+        cache.put_many([("kv:0", np.ones(16, np.float32)), ("kv:bad", np.array(["x"]))],
+                       wait=False)  # fmt: skip
+    assert cache.locate("kv:0") is None  # nothing went in
+    cache.put_many([(f"kv:p{i}", np.full(256, i, np.float32)) for i in range(4)])
+    with cache.pinned([f"kv:p{i}" for i in range(3)]):  # 3 of L1's 4 KiB pinned
+        with pytest.raises(cfj.BudgetError, match="kv:late.*pinned"):
+            cache.put_many([("kv:ok", np.ones(8, np.float32)), ("kv:late", np.ones(512, np.float32))],
+                           wait=False)  # fmt: skip
+        assert cache.locate("kv:late") is None  # refused: nothing of it is left in transit
+        with pytest.raises(KeyError, match="kv:late"):
+            cache.get("kv:late")
+    # The block claimed before the refused one goes in, as with puts one at a time.
+    cache.wait_until_finished(timeout=10)
+    assert _same_tree(cache.get("kv:ok"), np.ones(8, np.float32))
+    cache.close()
+
+
+def test_a_get_waits_for_a_put_still_in_the_background(tmp_path: Path) -> None:
+    from cacheflow_jax.store.futures import thread_pool
+
+    cache = _cache(tmp_path / "s")
+    old, new = np.zeros(64, np.float32), np.ones(64, np.float32)
+    cache.put("kv:a", old)
+    gate = threading.Event()
+    blocker = thread_pool("put", 1).submit(gate.wait, 10)  # the put thread is busy until set
+    future = cache.put_many([("kv:a", new), ("kv:b", new)], wait=False)
+    assert cache.cached_prefix(["kv:a", "kv:b"]) == 2 and not future.done()
+    got: dict[str, Any] = {}
+    reader = threading.Thread(target=lambda: got.update(a=cache.get("kv:a")))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not got  # it waits: neither the old value nor an error
+    gate.set()
+    reader.join(10)
+    assert _same_tree(got["a"], new)
+    assert future.result(timeout=10) is None and blocker.result()
+    cache.close()

@@ -8,6 +8,8 @@ store's, never a block's bytes.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from cacheflow_jax.cache.mover import DEVICE, Transit, room_in_place
 from cacheflow_jax.core.blocks import BlockInfo, BudgetError, CorruptBlockError
 from cacheflow_jax.core.pytree import flatten, is_tree, plain_leaves
+from cacheflow_jax.store.futures import thread_pool
 from cacheflow_jax.store.runtime_format import check_runtime_key, numeric
 from cacheflow_jax.tiers.memory import check_device_dtype
 
@@ -33,6 +36,8 @@ class RuntimeBlocks:
     def __init__(self, mover: Mover, demand: Demand) -> None:
         self.mover = mover
         self.demand = demand
+        self.later: set[concurrent.futures.Future] = set()  # `put_many_later`'s installs
+        self._later_lock = threading.Lock()
 
     def put(self, key: str, value: Any, *, kind: str, writeback: bool) -> None:
         """See `TieredCache.put`."""
@@ -46,18 +51,99 @@ class RuntimeBlocks:
         """See `TieredCache.put_many`."""
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} must be one of {KINDS}")
+        blocks = self._checked_items(items, writeback)
+        done = self._put_in_place(blocks, kind, writeback) if self.mover.in_place else 0
+        for key, value, info in blocks[done:]:
+            self._put_checked(key, value, info, kind, writeback)
+
+    def put_many_later(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, kind: str,
+                       writeback: bool) -> concurrent.futures.Future:  # fmt: skip
+        """See `TieredCache.put_many` with ``wait=False``: the checks and the claims here (each
+        block is then in transit: a reader of its key waits for it), the installs in order on
+        one background thread."""
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} must be one of {KINDS}")
+        blocks = self._checked_items(items, writeback)
+        claimed: list[tuple[str, Any, int, Transit]] = []
+        before: list[concurrent.futures.Future] = []
+        try:
+            for key, value, info in blocks:
+                if any(key == k for k, _, _, _ in claimed):  # a key put twice in one call:
+                    before.append(self._submit(claimed, []))  # its first put goes in first
+                    claimed = []
+                transit = self._claim(key, info, kind, writeback, value, install=False)
+                claimed.append((key, value, info.nbytes, transit))
+        finally:  # the blocks claimed are in transit: they go in (or are released) whatever happens
+            future = self._submit(claimed, before)
+        return future
+
+    def _submit(self, claimed: list[tuple[str, Any, int, Transit]],
+                before: list[concurrent.futures.Future]) -> concurrent.futures.Future:  # fmt: skip
+        """Hands claimed puts to the one background thread (which runs them in order)."""
+        future = thread_pool("put", 1).submit(self._install_all, claimed, before)
+        with self._later_lock:
+            self.later.add(future)
+        future.add_done_callback(self._done_later)
+        return future
+
+    def _done_later(self, future: concurrent.futures.Future) -> None:
+        with self._later_lock:
+            self.later.discard(future)
+
+    def wait_later(self, timeout: float | None) -> None:
+        """Waits until the installs of every `put_many_later` issued so far have ended (their
+        errors stay on their futures, and readers of a block that failed to go in got them).
+
+        Raises:
+          TimeoutError: some were still running after ``timeout`` seconds.
+        """
+        with self._later_lock:
+            pending = list(self.later)
+        _, left = concurrent.futures.wait(pending, timeout=timeout)
+        if left:
+            raise TimeoutError(f"{len(left)} background puts were still running after {timeout} s")
+
+    def _install_all(self, claimed: list[tuple[str, Any, int, Transit]],
+                     before: list[concurrent.futures.Future]) -> None:  # fmt: skip
+        """Installs claimed puts in order (each as `put` would); raises the first error after
+        trying every block (a block that cannot go in is parked or dropped as in `put`), or the
+        first of the jobs ``before`` it (one call's earlier parts, done by now: one thread)."""
+        mover = self.mover
+        first = next((f.exception() for f in before if f.exception() is not None), None)
+        try:
+            for key, value, nbytes, transit in claimed:
+                try:
+                    with mover.lock:
+                        try:  # the policy sees the put now, then its moves: as `put` makes them
+                            mover.planner.access(key, mover.clock())
+                        except BaseException as e:
+                            mover.leave(key, value)
+                            mover.inflight.pop(key, None)
+                            transit.finish(error=e)
+                            raise
+                        if mover.in_place and self._install_in_place(key, value, nbytes, transit):
+                            continue
+                    self._install(key, value, nbytes, transit)
+                except Exception as e:  # its transit carries the error to its readers
+                    first = first or e
+        finally:
+            mover.writeback.start()
+        if first is not None:
+            raise first
+
+    def _checked_items(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any],
+                       writeback: bool) -> list[tuple[str, Any, BlockInfo]]:  # fmt: skip
+        """`_checked` of every ``(key, block)`` pair, before any goes in."""
         if isinstance(items, Mapping):
             items = items.items()
         blocks = []
-        for item in items:  # every block is checked before any goes in
+        for item in items:
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise TypeError(
                     f"put_many takes (key, block) pairs or a dict of blocks; got {item!r:.80}"
                 )
             blocks.append(self._checked(*item, writeback))
-        done = self._put_in_place(blocks, kind, writeback) if self.mover.in_place else 0
-        for key, value, info in blocks[done:]:
-            self._put_checked(key, value, info, kind, writeback)
+        return blocks
 
     def _checked(self, key: str, value: Any, writeback: bool) -> tuple[str, Any, BlockInfo]:
         """``put``'s checks of one block, before anything changes: ``(key, the value as L1 holds
@@ -141,11 +227,12 @@ class RuntimeBlocks:
             wb.start()
         return done
 
-    def _claim(self, key: str, info: Any, kind: str, writeback: bool, value: Any) -> Transit | None:
+    def _claim(self, key: str, info: Any, kind: str, writeback: bool, value: Any, *,
+               install: bool = True) -> Transit | None:  # fmt: skip
         """Records the put under the lock once its key is not moving and write-back has room;
         returns the put's transit (the block is on its way into L1), or None if ``value`` is
-        already in L1: where L1's victims move down without copies (`Mover.in_place`), they
-        move and the block goes in under the same hold of the lock."""
+        already in L1: where L1's victims move down without copies (`Mover.in_place`) and
+        ``install`` is True, they move and the block goes in under the same hold of the lock."""
         mover = self.mover
         nbytes, device, wb = info.nbytes, mover.tiers[DEVICE], mover.writeback
         deadline = mover.deadline()
@@ -163,10 +250,12 @@ class RuntimeBlocks:
                         f"{wb.budget}; raise writeback_bytes"
                     )
                 if transit is None and (not durable or nbytes <= wb.room(key)):
-                    transit = self._record(key, info, kind, durable)
+                    transit = self._record(key, info, kind, durable, access=install)
                     if stalled is not None:
                         wb.count_stall(time.perf_counter() - stalled)
-                    if mover.in_place and self._install_in_place(key, value, nbytes, transit):
+                    if install and mover.in_place and self._install_in_place(
+                        key, value, nbytes, transit
+                    ):
                         return None
                     return transit
             if transit is not None:
@@ -176,9 +265,11 @@ class RuntimeBlocks:
                 stalled = time.perf_counter()
             wb.wait_for_room(key, nbytes, deadline, mover.l3_timeout)
 
-    def _record(self, key: str, info: BlockInfo, kind: str, durable: bool) -> Transit:
-        """Under the lock: a put of ``key`` supersedes its cached copy and is shown to the policy;
-        returns its transit (the block is on its way into L1)."""
+    def _record(self, key: str, info: BlockInfo, kind: str, durable: bool, *,
+                access: bool = True) -> Transit:  # fmt: skip
+        """Under the lock: a put of ``key`` supersedes its cached copy and is shown to the policy
+        (``access=False``: by whoever installs it); returns its transit (the block is on its
+        way into L1)."""
         mover = self.mover
         mover.discard(key)
         mover.runtime[key] = info
@@ -189,7 +280,8 @@ class RuntimeBlocks:
         else:
             mover.volatile.add(key)
         mover.inflight[key] = transit = Transit()
-        mover.planner.access(key, mover.clock())
+        if access:
+            mover.planner.access(key, mover.clock())
         return transit
 
     def _install_in_place(self, key: str, value: Any, nbytes: int, transit: Transit) -> bool:

@@ -220,22 +220,38 @@ class TieredCache:
         self._runtime.put(key, value, kind=kind, writeback=writeback)
 
     def put_many(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, kind: str = "kv",
-                 writeback: bool = True) -> None:  # fmt: skip
+                 writeback: bool = True, wait: bool = True) -> Future | None:  # fmt: skip
         """`put` of each block in order, as an engine stores the KV blocks of one step: the
         same decisions and the same result. Where L1's victims move down without copies (JAX's
         CPU backend), the blocks that need no wait go in under one hold of the cache's lock
         (docs/kv_cache.md).
 
+        With ``wait=False`` the call returns once every block is checked and claimed, and
+        their installs (room in L1, victims moved down) run in order on a background thread,
+        as a serving engine's KV connector saves a step's KV while the next step runs. From
+        the return on, `cached_prefix` counts the blocks and a `get` of one waits for it if
+        it is not in yet; no older value of a key is served. ``flush`` and ``close`` wait for
+        the installs first.
+
         Args:
           items: ``(key, block)`` pairs, or a dict of blocks by key.
           kind, writeback: as for `put`, for every block.
+          wait: False to return before the blocks are installed (see above).
+
+        Returns:
+          None, or with ``wait=False`` a `concurrent.futures.Future` of the installs: its
+          ``result()`` raises the first error of a block that could not go in (the readers of
+          that block get the error too, then find the block missing, as after a failed `put`).
 
         Raises:
           TypeError, ValueError, DtypeError, BudgetError, StoreError: as `put`. Every block
             is checked before any goes in; an error past the checks (the pinned blocks leave no
             room, L3 keeps failing) leaves the blocks before it put.
         """
+        if not wait:
+            return self._runtime.put_many_later(items, kind=kind, writeback=writeback)
         self._runtime.put_many(items, kind=kind, writeback=writeback)
+        return None
 
     def evict(self, key: str) -> bool:
         """Evicts ``key`` from L1 and L2 (writing a runtime block back); returns if it was there.
@@ -330,12 +346,16 @@ class TieredCache:
           StoreError: a write-back failed twice (the block stays in memory).
           TimeoutError: write-backs were still pending after ``timeout``.
         """
+        timeout = self.config.l3_timeout if timeout is None else timeout
+        self._runtime.wait_later(timeout)  # `put_many(wait=False)`'s blocks go in first
         with self._mover.lock:
             self._mover.drain()
-        self._wb.flush(self.config.l3_timeout if timeout is None else timeout)
+        self._wb.flush(timeout)
 
     def wait_until_finished(self, *, timeout: float | None = None) -> None:
-        """Waits for the write-backs in flight; raises the first error (the data stays in memory)."""
+        """Waits for the background puts and the write-backs in flight; raises the first
+        write-back error (the data stays in memory)."""
+        self._runtime.wait_later(timeout)
         self._wb.wait_until_finished(timeout)
 
     def check_for_errors(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -90,15 +91,18 @@ class ServingSession:
         kind: str = "kv",
         writeback: bool = True,
         req: str | None = None,
-    ) -> None:
+        wait: bool = True,
+    ) -> Future | None:
         """Stores several runtime blocks in order, as `put` does each (`TieredCache.put_many`):
-        the KV blocks an engine step computed, for example."""
+        the KV blocks an engine step computed, for example. ``wait=False`` returns before they
+        are installed, with a `concurrent.futures.Future` of the installs."""
         if isinstance(items, Mapping):
             items = items.items()
         items = list(items)
-        self.cache.put_many(items, kind=kind, writeback=writeback)
+        future = self.cache.put_many(items, kind=kind, writeback=writeback, wait=wait)
         if self._log is not None:
             self._log.record_many([key for key, _ in items], req)
+        return future
 
     def cached_prefix(self, keys: Iterable[str]) -> int:
         """How many leading ``keys`` any tier holds (`TieredCache.cached_prefix`)."""
