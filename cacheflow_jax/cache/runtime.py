@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from cacheflow_jax.cache.mover import DEVICE, Transit, room_in_place
 from cacheflow_jax.core.blocks import BlockInfo, BudgetError, CorruptBlockError
 from cacheflow_jax.core.pytree import flatten, is_tree, plain_leaves
-from cacheflow_jax.store.futures import thread_pool
 from cacheflow_jax.store.runtime_format import check_runtime_key, numeric
 from cacheflow_jax.tiers.memory import check_device_dtype
 
@@ -80,6 +79,8 @@ class RuntimeBlocks:
     def _submit(self, claimed: list[tuple[str, Any, int, Transit]],
                 before: list[concurrent.futures.Future]) -> concurrent.futures.Future:  # fmt: skip
         """Hands claimed puts to the one background thread (which runs them in order)."""
+        from cacheflow_jax.store.futures import thread_pool  # numpy: not for replay's imports
+
         future = thread_pool("put", 1).submit(self._install_all, claimed, before)
         with self._later_lock:
             self.later.add(future)
@@ -110,8 +111,10 @@ class RuntimeBlocks:
         first of the jobs ``before`` it (one call's earlier parts, done by now: one thread)."""
         mover = self.mover
         first = next((f.exception() for f in before if f.exception() is not None), None)
+        done = 0
         try:
             for key, value, nbytes, transit in claimed:
+                done += 1
                 try:
                     with mover.lock:
                         try:  # the policy sees the put now, then its moves: as `put` makes them
@@ -126,6 +129,13 @@ class RuntimeBlocks:
                     self._install(key, value, nbytes, transit)
                 except Exception as e:  # its transit carries the error to its readers
                     first = first or e
+        except BaseException as e:  # the blocks not tried yet are released: none may hang
+            with mover.lock:
+                for key, value, _, transit in claimed[done:]:
+                    mover.leave(key, value)  # never lose a runtime block
+                    mover.inflight.pop(key, None)
+                    transit.finish(error=e)
+            raise
         finally:
             mover.writeback.start()
         if first is not None:

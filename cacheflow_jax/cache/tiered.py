@@ -240,8 +240,9 @@ class TieredCache:
 
         Returns:
           None, or with ``wait=False`` a `concurrent.futures.Future` of the installs: its
-          ``result()`` raises the first error of a block that could not go in (the readers of
-          that block get the error too, then find the block missing, as after a failed `put`).
+          ``result()`` raises the first error of a block that could not go in (the readers
+          waiting for that block get it too; as after a failed `put`, a block that must be
+          durable is kept for its write-back).
 
         Raises:
           TypeError, ValueError, DtypeError, BudgetError, StoreError: as `put`. Every block
