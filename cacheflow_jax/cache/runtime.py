@@ -65,13 +65,15 @@ class RuntimeBlocks:
         blocks = self._checked_items(items, writeback)
         claimed: list[tuple[str, Any, int, Transit]] = []
         before: list[concurrent.futures.Future] = []
+        mine: set[str] = set()  # the keys in ``claimed``
         try:
             for key, value, info in blocks:
-                if any(key == k for k, _, _, _ in claimed):  # a key put twice in one call:
-                    before.append(self._submit(claimed, []))  # its first put goes in first
-                    claimed = []
+                if key in mine:  # a key put twice in one call: its first put goes in first
+                    before.append(self._submit(claimed, []))
+                    claimed, mine = [], set()
                 transit = self._claim(key, info, kind, writeback, value, install=False)
                 claimed.append((key, value, info.nbytes, transit))
+                mine.add(key)
         finally:  # the blocks claimed are in transit: they go in (or are released) whatever happens
             future = self._submit(claimed, before)
         return future
@@ -102,7 +104,11 @@ class RuntimeBlocks:
             pending = list(self.later)
         _, left = concurrent.futures.wait(pending, timeout=timeout)
         if left:
-            raise TimeoutError(f"{len(left)} background puts were still running after {timeout} s")
+            raise TimeoutError(
+                f"{len(left)} put_many(wait=False) calls were still installing their blocks after "
+                f"{timeout} s; their blocks are kept and go in when done. Wait longer (the "
+                "timeout of flush/wait_until_finished, or l3_timeout)"
+            )
 
     def _install_all(self, claimed: list[tuple[str, Any, int, Transit]],
                      before: list[concurrent.futures.Future]) -> None:  # fmt: skip
@@ -120,9 +126,7 @@ class RuntimeBlocks:
                         try:  # the policy sees the put now, then its moves: as `put` makes them
                             mover.planner.access(key, mover.clock())
                         except BaseException as e:
-                            mover.leave(key, value)
-                            mover.inflight.pop(key, None)
-                            transit.finish(error=e)
+                            self._release(key, value, transit, e)
                             raise
                         if mover.in_place and self._install_in_place(key, value, nbytes, transit):
                             continue
@@ -132,9 +136,7 @@ class RuntimeBlocks:
         except BaseException as e:  # the blocks not tried yet are released: none may hang
             with mover.lock:
                 for key, value, _, transit in claimed[done:]:
-                    mover.leave(key, value)  # never lose a runtime block
-                    mover.inflight.pop(key, None)
-                    transit.finish(error=e)
+                    self._release(key, value, transit, e)
             raise
         finally:
             mover.writeback.start()
@@ -201,9 +203,7 @@ class RuntimeBlocks:
                 mover.notify_room()
         except BaseException as e:
             with mover.lock:
-                mover.leave(key, value)
-                mover.inflight.pop(key, None)
-            transit.finish(error=e)
+                self._release(key, value, transit, e)
             raise
         transit.finish(value=value)
 
@@ -294,6 +294,13 @@ class RuntimeBlocks:
             mover.planner.access(key, mover.clock())
         return transit
 
+    def _release(self, key: str, value: Any, transit: Transit, error: BaseException) -> None:
+        """Under the lock: a claimed put that cannot go in leaves (a block that must be durable
+        is parked for its write-back: never lost) and its readers get ``error``."""
+        self.mover.leave(key, value)
+        self.mover.inflight.pop(key, None)
+        transit.finish(error=error)
+
     def _install_in_place(self, key: str, value: Any, nbytes: int, transit: Transit) -> bool:
         """Under the lock: `put`'s room and install where L1's victims move down without copies
         (`room_in_place`); False if there is no room (`put` then raises as usual)."""
@@ -303,9 +310,7 @@ class RuntimeBlocks:
                 return False
             mover.install(DEVICE, key, value, nbytes)
         except BaseException as e:
-            mover.leave(key, value)
-            mover.inflight.pop(key, None)
-            transit.finish(error=e)
+            self._release(key, value, transit, e)
             raise
         del mover.inflight[key]
         mover.notify_room()
