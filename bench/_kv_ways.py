@@ -12,7 +12,7 @@ pytrees ``{"k": [L, T, kv], "v": [L, T, kv]}`` of device arrays.
 | `recompute` | no cache: every block is computed (the baseline) | - |
 | `device-lru` | a device-memory prefix cache with LRU eviction, what vLLM's automatic prefix caching does | L1 |
 | `host-lru` | device LRU over a host-memory LRU (blocks evicted from the device go to host memory, a hit there is copied back), what LMCache's CPU backend adds to vLLM | L1 + L2 |
-| `cacheflow` | `TieredCache` (its default policy) with L3 on local disk; a queued request's blocks that only L3 holds are read into L2 while it waits (`TieredCache.prefetch`); a step's computed blocks are stored in one `put_many` at its end | L1 + L2 + L3 |
+| `cacheflow` | `TieredCache` (its default policy) with L3 on local disk; a queued request's blocks that only L3 holds are read into L2 while it waits (`TieredCache.prefetch`); a step's computed blocks are stored in one `put_many(wait=False)` at its end, installed while the next step runs | L1 + L2 + L3 |
 | `all-resident` | every block ever computed stays on the device (the limit) | unbounded |
 """
 
@@ -262,7 +262,10 @@ class Cacheflow(Way):
         if not blocks:
             return
         start = time.perf_counter()
-        self.cache.put_many(blocks)
+        # Installed on the cache's put thread while the next step runs, as vLLM's KV
+        # connectors save a step's KV: the blocks are counted by lookups at once, and a load
+        # of one waits for it (`put_many(wait=False)`).
+        self.cache.put_many(blocks, wait=False)
         # Each block's share of the call (the put yardstick compares it with a device_put).
         self.put_seconds += [(time.perf_counter() - start) / len(blocks)] * len(blocks)
         self._step_blocks = []

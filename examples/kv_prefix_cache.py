@@ -7,9 +7,10 @@ The loop a JAX serving engine can copy (docs/kv_cache.md explains each step):
 1. key the prompt's full 16-token blocks by a hash chain (`cacheflow_jax.kv.prefix_keys`);
 2. ask the cache how many leading blocks it holds (`cached_prefix`), without reading them;
 3. pin those blocks while the request reads them (`pinned`) and compute only the rest;
-4. store the new blocks, each a pytree of per-layer K and V under its key, in one `put_many`
-   (as an engine stores a step's KV; written back to L3 in the background when they leave
-   L1/L2).
+4. store the new blocks, each a pytree of per-layer K and V under its key, in one
+   `put_many(..., wait=False)` (as an engine's KV connector saves a step's KV: installed on a
+   background thread while the engine goes on, counted by `cached_prefix` at once; written
+   back to L3 in the background when they leave L1/L2).
 
 The model here is a toy: one attention layer per "layer", computed block by block so that a
 cached block's KV is bitwise the one a recompute would give; the script checks that.
@@ -83,7 +84,9 @@ def serve(params: dict, tokens: np.ndarray, s: cfj.ServingSession | None) -> tup
         if i >= held:  # (the last block may be held already: it is recomputed, not stored)
             new.append((keys[i], kv))  # one key, one pytree block
     if s is not None:
-        s.put_many(new)  # the request's new blocks in one call, written back in the background
+        # The request's new blocks in one call, installed in the background: the next request's
+        # cached_prefix counts them at once, and a get of one waits until it is in.
+        s.put_many(new, wait=False)
     return hidden, computed
 
 

@@ -114,12 +114,19 @@ class RuntimeBlocks:
                      before: list[concurrent.futures.Future]) -> None:  # fmt: skip
         """Installs claimed puts in order (each as `put` would); raises the first error after
         trying every block (a block that cannot go in is parked or dropped as in `put`), or the
-        first of the jobs ``before`` it (one call's earlier parts, done by now: one thread)."""
+        first of the jobs ``before`` it (one call's earlier parts, done by now: one thread).
+
+        Between two blocks it hands the interpreter to a thread waiting for it (``sleep(0)``):
+        a thread running Python keeps the interpreter until a waiter has waited a switch
+        interval (5 ms), so without it the serving thread, back from a jitted step, could wait
+        that long for its own next line (docs/kv_cache.md, "Puts stay off the critical path")."""
         mover = self.mover
         first = next((f.exception() for f in before if f.exception() is not None), None)
         done = 0
         try:
             for key, value, nbytes, transit in claimed:
+                if done:
+                    time.sleep(0)  # a waiting serving thread runs now, not in 5 ms
                 done += 1
                 try:
                     with mover.lock:
