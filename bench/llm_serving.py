@@ -281,8 +281,8 @@ def precompute(engine: Engine, reqs: list[Request], *, out: Path) -> dict[str, d
     path = out / f"llm_serving_warmup_{digest}.npz"
     if not path.exists():
         _compute_warmup(engine, reqs, path)
-    # Always from the file, so that a run that computed the blocks holds them as one that
-    # loaded them does (a few large arrays, not 40,000 small ones among the compute's garbage).
+    # Always from the file: a run that computed the blocks holds them as one that loaded them
+    # does (views of a few large arrays), so the two kinds of run differ in nothing else.
     with np.load(path) as saved:
         keys, ks, vs = list(saved["keys"]), saved["k"].view(KV_DTYPE), saved["v"].view(KV_DTYPE)
     return {str(key): {"k": jax.device_put(k), "v": jax.device_put(v)}
