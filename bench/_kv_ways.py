@@ -216,12 +216,14 @@ class Cacheflow(Way):
     name = "cacheflow"
 
     def __init__(self, device_bytes: int, host_bytes: int, root: Path, *,
-                 prefetch: bool = True, block_bytes: int | None = None) -> None:  # fmt: skip
+                 prefetch: bool = True, block_bytes: int | None = None,
+                 host_memory: str = "auto") -> None:  # fmt: skip
         import cacheflow_jax as cfj
 
         super().__init__()
         self.cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=device_bytes,
-                                     host_bytes=host_bytes, block_bytes=block_bytes)  # fmt: skip
+                                     host_bytes=host_bytes, block_bytes=block_bytes,
+                                     host_memory=host_memory)  # fmt: skip
         self.prefetch = prefetch
         self.device = jax.devices()[0]
         self._ahead: list[Any] = []

@@ -47,6 +47,20 @@ def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 _take_resident = jax.jit(_take_rows)
 
 
+def _on_host(f):
+    """``f`` computed on the host (``"device_host"``), its result in host memory. jax 0.10 spells
+    it ``compute_on("device_host")(f)``; jax 0.11 made ``compute_on`` a transform that names
+    the result's memory (``out_memory_spaces``), as 0.10's ``compute_on2`` does."""
+    import inspect
+
+    from jax.experimental import compute_on as co
+
+    if "out_memory_spaces" in inspect.signature(co.compute_on).parameters:
+        return co.compute_on(f, compute_type="device_host",
+                             out_memory_spaces=jax.memory.Space.Host)  # fmt: skip
+    return co.compute_on("device_host")(f)
+
+
 class TableWay:
     """The interface: ``text`` and ``vision``; ``close`` and ``stats`` for the report."""
 
@@ -106,11 +120,9 @@ class HostOffload(TableWay):
     name = "host-offload"
 
     def __init__(self, table: np.ndarray, text: TextModel, vision: VisionModel | None) -> None:
-        from jax.experimental.compute_on import compute_on
-
         host, device = _sharding("pinned_host"), _sharding("device")
         self.table = jax.device_put(table, host)
-        gather = compute_on("device_host")(jax.jit(_take_rows))
+        gather = _on_host(jax.jit(_take_rows))
 
         def step_text(leaves: list, table: jax.Array, ids: jax.Array) -> jax.Array:
             rows = gather(table, jax.device_put(ids, host))

@@ -2,6 +2,7 @@
 
 ```
 python -m bench.llm_serving [--requests 800] [--load 0.7] [--runs 3] [--quick] [--json]
+                            [--host-memory auto|pinned|pageable]
 ```
 
 A Flax NNX decoder (`bench._decoder`: its FLOPs per KV byte are within 4x of a 1B model's)
@@ -335,7 +336,7 @@ def warm(way: Way, reqs: list[Request], oracle: dict[str, dict[str, Any]]) -> No
 
 
 def make_way(name: str, device_bytes: int, host_bytes: int, root: Path, *,
-             prefetch: bool = True) -> Way:  # fmt: skip
+             prefetch: bool = True, host_memory: str = "auto") -> Way:  # fmt: skip
     if name == "recompute":
         return Way()
     if name == "device-lru":
@@ -343,7 +344,8 @@ def make_way(name: str, device_bytes: int, host_bytes: int, root: Path, *,
     if name == "host-lru":
         return HostLru(device_bytes, host_bytes)
     if name == "cacheflow":
-        return Cacheflow(device_bytes, host_bytes, root, prefetch=prefetch)
+        return Cacheflow(device_bytes, host_bytes, root, prefetch=prefetch,
+                         host_memory=host_memory)  # fmt: skip
     return AllResident()
 
 
@@ -353,12 +355,14 @@ def fresh(reqs: list[Request]) -> list[Request]:
 
 def run_once(engine: Engine, warmup: list[Request], measured: list[Request],
              oracle: dict[str, Any], budgets: tuple[int, int], *, chunk: int,
-             order: list[str], prefetch: bool = True) -> dict[str, dict[str, Any]]:  # fmt: skip
+             order: list[str], prefetch: bool = True,
+             host_memory: str = "auto") -> dict[str, dict[str, Any]]:  # fmt: skip
     """Serves the measured requests once per way (in ``order``); each way's figures."""
     out = {}
     for name in order:
         with tempfile.TemporaryDirectory(prefix="cacheflow-llm-") as tmp:
-            way = make_way(name, *budgets, Path(tmp) / "l3", prefetch=prefetch)
+            way = make_way(name, *budgets, Path(tmp) / "l3", prefetch=prefetch,
+                           host_memory=host_memory)  # fmt: skip
             warm(way, fresh(warmup), oracle)
             reqs = fresh(measured)
             server = Server(engine, way, chunk=chunk)
@@ -412,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefetch", action="store_true",
                    help="cacheflow does not bring queued requests' blocks up ahead")  # fmt: skip
     p.add_argument("--ways", default=",".join(WAYS), help=f"ways to run (default {','.join(WAYS)})")
+    p.add_argument("--host-memory", default="auto", choices=("auto", "pinned", "pageable"),
+                   help="cacheflow's L2 memory (TieredCache's host_memory; default auto)")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.warm, args.runs, args.warmup = 100, 300, 1, 0
@@ -450,7 +456,8 @@ def run(args: Any) -> Report:
         order = [w for w in WAYS if w in args.ways.split(",")]
         rng.shuffle(order)
         runs.append(run_once(engine, warmup, measured, oracle, budgets, chunk=args.chunk,
-                             order=order, prefetch=not args.no_prefetch))  # fmt: skip
+                             order=order, prefetch=not args.no_prefetch,
+                             host_memory=args.host_memory))  # fmt: skip
     runs = runs[args.warmup :]
     return build_report(args, cfg, runs, budgets, distinct, service, len(warmup))
 
@@ -460,7 +467,7 @@ def build_report(args: Any, cfg: DecoderConfig, runs: list[dict], budgets: tuple
     report = Report(NAME, "LLM serving with KV prefix reuse (Mooncake trace)", {
         "requests": args.requests, "warm_up_requests": warm_count, "load": args.load,
         "chunk_blocks": args.chunk, "runs": len(runs), "prefetch": not args.no_prefetch, "device_bytes": budgets[0],
-        "host_bytes": budgets[1], "distinct_blocks": distinct,
+        "host_bytes": budgets[1], "host_memory": args.host_memory, "distinct_blocks": distinct,
         "block_kv_bytes": cfg.block_kv_bytes(), "recompute_service_ms": round(service * 1e3, 2),
         "max_blocks": cfg.max_blocks, "model_flops_per_kv_byte": round(cfg.flops_per_kv_byte()),
         "llama_1b_flops_per_kv_byte": round(llama_1b_flops_per_kv_byte()),

@@ -54,6 +54,21 @@ def test_host_offload_and_resident_gathers_equal_the_rows_bitwise() -> None:
         assert np.asarray(way.text(model, batch)).tobytes() == want, way.name
 
 
+def test_host_offload_runs_with_jax_0_11s_compute_on(monkeypatch) -> None:
+    """jax 0.11 made ``compute_on`` a transform with keyword arguments (0.10's ``compute_on2``);
+    the host-offload way takes either spelling and gives the same vectors."""
+    from jax.experimental import compute_on as co
+
+    if not hasattr(co, "compute_on2"):
+        pytest.skip("this JAX has only one compute_on: the test's main case runs it")
+    ids, vocab = help_text_ids()
+    model = TextModel(TextConfig(rows=-(-vocab // 64) * 64, d_model=32, layers=1), seed=3)
+    batch = text_batches(ids, count=1, batch=4, seq=8, seed=1)[0]
+    want = np.asarray(model(model.table[batch])).tobytes()
+    monkeypatch.setattr(co, "compute_on", co.compute_on2)
+    assert np.asarray(HostOffload(model.table, model, None).text(model, batch)).tobytes() == want
+
+
 def test_help_text_ids_are_ranks_of_first_appearance() -> None:
     ids, vocab = help_text_ids()
     first = np.unique(ids, return_index=True)[1]

@@ -6,6 +6,9 @@ The fixture `case` is parametrized over each `AbstractTier` the cache is built f
 * ``device-arrays``: `DeviceTier`, L1 as one ``jax.Array`` per block (``device_layout="arrays"``);
 * ``device-slab``: `SlabTier`, L1 as one preallocated slab of lines (``device_layout="slab"``);
 * ``host``: `HostTier`, L2 in host memory;
+* ``host-pinned``: `HostTier` keeping blocks that come down from the device in its
+  ``pinned_host`` memory (``host_memory="pinned"``; the default on a GPU, forced here on JAX's CPU
+  backend, which has that memory kind too); alone, it is fed device arrays, as L1 feeds it;
 * ``metadata``: `MetadataTier`, residency and bytes without data (replay).
 
 What is checked is what the docstrings of `AbstractTier` (``cacheflow_jax.tiers.memory``) and of
@@ -125,7 +128,20 @@ class Host(TierCase):
         return HostTier(budget)
 
     def cache(self, budget: int, other: int, store: Any) -> cfj.TieredCache:
-        return cfj.TieredCache(store, device_bytes=other, host_bytes=budget, read_buffer=1)
+        # pageable: "auto" would be pinned on a GPU (the host-pinned case)
+        return cfj.TieredCache(store, device_bytes=other, host_bytes=budget, read_buffer=1,
+                               host_memory="pageable")  # fmt: skip
+
+
+class HostPinned(Host):
+    name = "host-pinned"
+
+    def make(self, budget: Any) -> AbstractTier:
+        return HostTier(budget, pinned=jax.devices()[0])
+
+    def cache(self, budget: int, other: int, store: Any) -> cfj.TieredCache:
+        return cfj.TieredCache(store, device_bytes=other, host_bytes=budget, read_buffer=1,
+                               host_memory="pinned")  # fmt: skip
 
 
 class Metadata(TierCase):
@@ -145,10 +161,17 @@ class Metadata(TierCase):
         )  # fmt: skip
 
 
-CASES = {c.name: c for c in (DeviceArrays, DeviceSlab, Host, Metadata)}
+CASES = {c.name: c for c in (DeviceArrays, DeviceSlab, Host, HostPinned, Metadata)}
 # Each tier class's case, for the other tier of a cache under test.
 CASE_OF = {DeviceTier: DeviceArrays(), SlabTier: DeviceSlab(), HostTier: Host(),
            MetadataTier: Metadata()}  # fmt: skip
+
+
+def case_of(tier: AbstractTier) -> TierCase:
+    """The case of a cache's tier."""
+    if isinstance(tier, HostTier) and tier.pinned is not None:
+        return HostPinned()
+    return CASE_OF[type(tier)]
 
 
 @pytest.fixture(params=list(CASES))
@@ -182,10 +205,20 @@ def check_accounting(case: TierCase, tier: AbstractTier, expected: dict[str, Any
 def insert(tier: AbstractTier, key: str, value: Any) -> bool:
     """The cache's way in: reserve the room, convert the value, install it."""
     nbytes = sum(np.asarray(v).nbytes for v in jax.tree.leaves(value))
+    if getattr(tier, "pinned", None) is not None:
+        value = jax.tree.map(on_device, value)  # L1's blocks come down to L2
     if not tier.reserve(nbytes):
         return False
     tier.put_reserved(key, tier.load(value), nbytes)
     return True
+
+
+def on_device(leaf: Any) -> Any:
+    """``leaf`` on the default device, as L1 holds it (a dtype JAX would narrow stays numpy:
+    L1 refuses it)."""
+    if np.dtype(leaf.dtype) != jax.dtypes.canonicalize_dtype(leaf.dtype):
+        return leaf
+    return jax.device_put(leaf, jax.devices()[0])
 
 
 def remove(tier: AbstractTier, key: str) -> Any:
@@ -454,7 +487,7 @@ def check_cache(case: TierCase, cache: cfj.TieredCache, puts: dict[str, Any] | N
     assert cache.moving() == 0
     puts = puts or {}
     for tier in cache.tiers:
-        kind = CASE_OF[type(tier)]
+        kind = case_of(tier)
         resident = {k: cache.info(k).nbytes for k in tier.entries}
         assert tier.used == sum(kind.room(tier, n) for n in resident.values()), tier.name
         assert 0 <= tier.used <= tier.budget, tier.name
@@ -488,7 +521,7 @@ def test_the_cache_keeps_the_tier_accounting_exact(case: TierCase) -> None:
     store = _store_for(case)
     cache = case.cache(4 * BLOCK, 2 * BLOCK, store)
     tier = cache.tiers[case.index]
-    assert CASE_OF[type(tier)].name == case.name
+    assert case_of(tier).name == case.name
     keys = [k for k in store.keys() if k != "huge"]
     rng = np.random.default_rng(10)
     seen = set()

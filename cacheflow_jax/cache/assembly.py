@@ -27,7 +27,7 @@ from cacheflow_jax.core.blocks import BudgetError, Store
 from cacheflow_jax.planning.planner import Planner
 from cacheflow_jax.policies import Policy, get_policy
 from cacheflow_jax.prefetch.scheduler import load_prefetcher
-from cacheflow_jax.tiers.memory import AbstractTier, HostTier
+from cacheflow_jax.tiers.memory import AbstractTier, HostTier, pinned_memory
 
 if TYPE_CHECKING:
     from cacheflow_jax.cache.config import CacheConfig
@@ -104,11 +104,18 @@ def assemble(
 def make_tiers(config: CacheConfig, store: Store) -> list[AbstractTier]:
     from cacheflow_jax.tiers.slab import make_device_tier  # JAX comes with the device tier
 
-    return [
-        make_device_tier(config.device_layout, config.device_bytes, store=store,
-                         line_bytes=config.line_bytes, device=config.device),
-        HostTier(config.host_bytes),
-    ]  # fmt: skip
+    l1 = make_device_tier(config.device_layout, config.device_bytes, store=store,
+                          line_bytes=config.line_bytes, device=config.device)  # fmt: skip
+    pinned = None
+    if config.host_memory == "pinned" or (config.host_memory == "auto"
+                                          and pinned_memory(l1.device)):  # fmt: skip
+        if not any(m.kind == "pinned_host" for m in l1.device.addressable_memories()):
+            raise ValueError(
+                f"host_memory='pinned': device {l1.device} has no pinned_host memory; "
+                "use host_memory='pageable' or 'auto'"
+            )
+        pinned = l1.device
+    return [l1, HostTier(config.host_bytes, pinned=pinned)]
 
 
 def check_budgets(

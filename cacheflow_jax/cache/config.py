@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from predictor import Predictor
 
 DEVICE_LAYOUTS = ("arrays", "slab")
+HOST_MEMORIES = ("auto", "pinned", "pageable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,11 @@ class CacheConfig:
       line_bytes: the slab's line size (``device_layout="slab"`` only); by default the largest
         power of two dividing the store's chunk sizes, within 4-64 KiB (see
         `cacheflow_jax.tiers.slab.default_line_bytes`).
+      host_memory: where L2 keeps the blocks that come down from L1: ``"pinned"``, in the
+        device's ``pinned_host`` memory (page-locked: the copy engines move it both ways without
+        a staging copy); ``"pageable"``, as numpy arrays; ``"auto"`` (the default), pinned on an
+        accelerator that has that memory kind, else pageable (on JAX's CPU backend, L1's arrays
+        themselves). Blocks read from L3 are numpy arrays either way.
       block_bytes: the largest block (a `TensorStoreStore` only): a stored chunk larger than
         this is served as sub-blocks along its leading axis, and ``cache.store`` is then a view
         of the store with those blocks (`TensorStoreStore.with_block_bytes`). Default: the
@@ -62,8 +68,8 @@ class CacheConfig:
 
     Raises (at construction):
       BudgetError: ``writeback_bytes`` is not a non-negative integer.
-      ValueError: ``l3_timeout`` is not a positive number or None, or ``device_layout`` is
-        unknown.
+      ValueError: ``l3_timeout`` is not a positive number or None, or ``device_layout`` or
+        ``host_memory`` is unknown.
       TypeError: ``prefetch`` is not a `PrefetchSettings`.
     """
 
@@ -80,6 +86,7 @@ class CacheConfig:
     device_layout: str = "arrays"
     line_bytes: int | None = None
     block_bytes: int | None = None
+    host_memory: str = "auto"
 
     def __post_init__(self) -> None:
         timeout = self.l3_timeout
@@ -95,6 +102,8 @@ class CacheConfig:
                 raise BudgetError(f"writeback_bytes={wb} is negative; give a byte budget >= 0")
         if self.prefetch is not None and not isinstance(self.prefetch, PrefetchSettings):
             raise TypeError(f"prefetch={self.prefetch!r} must be a PrefetchSettings or None")
+        if self.host_memory not in HOST_MEMORIES:
+            raise ValueError(f"host_memory={self.host_memory!r} must be one of {HOST_MEMORIES}")
         if self.device_layout not in DEVICE_LAYOUTS:
             raise ValueError(
                 f"device_layout={self.device_layout!r} must be one of {DEVICE_LAYOUTS}"

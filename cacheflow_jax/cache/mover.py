@@ -133,7 +133,8 @@ class Mover:
         self.plan_access: Callable[[str, float], Any] = planner.access_function()
         l1 = tiers[DEVICE]
         self.in_place = (type(l1) is DeviceTier and l1.host_memory
-                         and (len(tiers) <= HOST or type(tiers[HOST]) is HostTier))  # fmt: skip
+                         and (len(tiers) <= HOST or (type(tiers[HOST]) is HostTier
+                                                     and tiers[HOST].pinned is None)))  # fmt: skip
 
     # ------------------------------------------------------------------------- block facts
 

@@ -64,11 +64,12 @@ class TieredCache:
         ``cache.config``): ``device_bytes`` and ``host_bytes`` (the budgets), ``policy``,
         ``prefetcher`` and ``prefetch``, ``clock``, ``device``, ``read_buffer``,
         ``l3_timeout``, ``writeback_bytes``, ``device_layout``, ``line_bytes``,
-        ``block_bytes``.
+        ``block_bytes``, ``host_memory``.
 
     Raises:
       BudgetError: a budget is negative, not an integer, or too small for the store's blocks.
-      ValueError: an unknown ``device_layout``, or ``l3_timeout`` not a positive number.
+      ValueError: an unknown ``device_layout`` or ``host_memory``, or ``l3_timeout`` not a
+        positive number.
 
     >>> import cacheflow_jax as cfj, numpy as np
     >>> store = cfj.write_store({"w": np.arange(8.0)}, "memory://doc-cache/", chunk_bytes=32)
@@ -95,12 +96,14 @@ class TieredCache:
         device_layout: str = "arrays",
         line_bytes: int | None = None,
         block_bytes: int | None = None,
+        host_memory: str = "auto",
     ) -> None:
         self.config = CacheConfig(
             device_bytes=device_bytes, host_bytes=host_bytes, policy=policy,
             prefetcher=prefetcher, prefetch=prefetch, clock=clock, device=device,
             read_buffer=read_buffer, l3_timeout=l3_timeout, writeback_bytes=writeback_bytes,
             device_layout=device_layout, line_bytes=line_bytes, block_bytes=block_bytes,
+            host_memory=host_memory,
         )  # fmt: skip
         parts = assemble(store, self.config, tiers, self._describe)
         self.store, self.policy, self.prefetcher = parts.store, parts.policy, parts.prefetcher

@@ -173,7 +173,8 @@ def to_device(
     moving = []
     changed = False
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, jax.Array) and leaf.devices() == {device}:
+        if (isinstance(leaf, jax.Array) and leaf.devices() == {device}
+                and leaf.sharding.memory_kind in (None, "device")):  # not pinned_host (L2)
             if not leaf.committed:
                 changed = True
                 leaves[i] = placement.commit(leaf)  # the same buffer, committed
@@ -207,30 +208,78 @@ class HostTier(AbstractTier):
     A numpy array, or, for a block that comes down from a device whose memory is host memory
     (JAX's CPU backend), that block's ``jax.Array`` itself: a copy would only duplicate the same
     bytes in the same memory, and a promotion would copy them back. Elsewhere blocks are copied
-    to numpy (``jax.device_get``).
+    to numpy (``jax.device_get``), or, with ``pinned``, to that device's ``pinned_host`` memory.
+
+    Args:
+      budget: bytes.
+      pinned: the L1 device whose blocks, when they come down, are kept in its ``pinned_host``
+        memory (``jax.device_put`` to that memory kind): page-locked host memory, which the
+        device's copy engines read and write directly, where a numpy array is pageable memory
+        that the runtime first copies through a staging buffer. Blocks read from L3 stay numpy.
+        None: every block is numpy (or the CPU backend's own array, as above).
     """
 
     name = "host"
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, *, pinned: jax.Device | None = None) -> None:
         super().__init__(budget, setting="host_bytes")
+        self.pinned = None
+        if pinned is not None:
+            import jax
+
+            self.pinned = jax.sharding.SingleDeviceSharding(pinned, memory_kind="pinned_host")
 
     def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
         if type(value) in TREES:
             leaves = leaves_of(value)
-            kept = [_to_host_tier(leaf, owned) for leaf in leaves]
+            pinned = self._pin_leaves(leaves) if self.pinned is not None else leaves
+            kept = [_to_host_tier(leaf, owned, self.pinned) for leaf in pinned]
             if owned and all(a is b for a, b in zip(kept, leaves)):
                 return value  # device arrays in host memory: the same (owned) block
             it = iter(kept)
             return tree_map(lambda _: next(it), value)
-        return _to_host_tier(value, owned)
+        return _to_host_tier(value, owned, self.pinned)
+
+    def _pin_leaves(self, leaves: list[Any]) -> list[Any]:
+        """A block's leaves with those in the pinned device's memory copied to its
+        ``pinned_host`` memory in one batch (one transfer call and one wait for the block, where
+        `_to_host_tier` would make one of each per leaf)."""
+        import jax
+
+        pinned = self.pinned
+        moving = [i for i, leaf in enumerate(leaves)
+                  if isinstance(leaf, jax.Array) and leaf.devices() == pinned.device_set
+                  and leaf.sharding.memory_kind != "pinned_host"]  # fmt: skip
+        if len(moving) < 2:
+            return leaves
+        moved = jax.block_until_ready(jax.device_put([leaves[i] for i in moving], pinned))
+        out = list(leaves)
+        for i, leaf in zip(moving, moved):
+            out[i] = leaf
+        return out
 
 
-def _to_host_tier(value: Any, owned: bool) -> Any:
+def pinned_memory(device: jax.Device) -> bool:
+    """Whether ``device`` is an accelerator with a ``pinned_host`` memory kind, where L2 keeps
+    the blocks coming down from L1 (`HostTier`'s ``pinned``; the cache's ``host_memory="auto"``).
+    JAX's CPU backend has one too, but its device memory is host memory already."""
+    if device.platform == "cpu":
+        return False
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memories
+        return False
+
+
+def _to_host_tier(value: Any, owned: bool, pinned: Any = None) -> Any:
     import jax
     import numpy as np
 
     if isinstance(value, jax.Array):
+        if pinned is not None and value.devices() == pinned.device_set:
+            if value.sharding.memory_kind == "pinned_host":
+                return value  # already there, and immutable
+            return jax.block_until_ready(jax.device_put(value, pinned))
         if all(d.platform == "cpu" for d in value.devices()):
             return value  # already in host memory, and immutable
         return np.asarray(jax.device_get(value))

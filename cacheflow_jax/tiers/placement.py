@@ -82,7 +82,9 @@ class Placement:
         if rest:
             import jax
 
-            moved = jax.device_put([leaves[i] for i in rest], self.device, may_alias=may_alias)
+            # To the sharding, not the device: jax 0.10.2 refuses an array in another memory kind
+            # of the same device (L2's pinned_host) with a device as the target.
+            moved = jax.device_put([leaves[i] for i in rest], self.sharding, may_alias=may_alias)
             for i, value in zip(rest, moved):
                 out[i] = value
         return out

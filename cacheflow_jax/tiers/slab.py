@@ -290,7 +290,8 @@ class SlabTier(AbstractTier):
         return to_device(value, self.device, owned=owned, placement=self.placement)
 
     def put_reserved(self, key: str, value: Any, nbytes: int) -> None:
-        value = value if isinstance(value, jax.Array) else self.load(value)
+        if not (isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device")):
+            value = self.load(value)  # from the host (numpy, or L2's pinned_host memory)
         shape, dtype = tuple(value.shape), np.dtype(value.dtype)
         with self.slab.lock:
             old = self.table.pop(key, None)
