@@ -2,6 +2,7 @@
 
 ```
 python -m bench.soak [--seconds 60] [--threads 8] [--seed 0] [--json] [--out DIR]
+                     [--host-memory auto|pinned|pageable]
 ```
 
 A store of read-only chunks (4 arrays x 32 blocks of 4 KiB, float32, the fast read path) and 64
@@ -60,7 +61,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | None = None) -> dict:
+def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | None = None,
+             host_memory: str = "auto") -> dict:  # fmt: skip
     """Runs the soak and returns its summary (see the module docstring)."""
     import cacheflow_jax as cfj
 
@@ -73,7 +75,8 @@ def run_soak(seconds: float, threads: int, *, seed: int = 0, workdir: Path | Non
     try:
         root = workdir / "store"
         store = cfj.write_store(arrays, root, chunk_bytes=4 * KB, overwrite=True)
-        cache = cfj.TieredCache(store, device_bytes=128 * KB, host_bytes=256 * KB, l3_timeout=30.0)
+        cache = cfj.TieredCache(store, device_bytes=128 * KB, host_bytes=256 * KB, l3_timeout=30.0,
+                                host_memory=host_memory)  # fmt: skip
         chunk_keys = [k for k in store.keys() if "@" in k]
         expected = {}
         for key in chunk_keys:
@@ -241,12 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
     p.add_argument("--threads", type=int, default=8, help="worker threads (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-memory", default="auto", choices=("auto", "pinned", "pageable"),
+                   help="L2's memory (TieredCache's host_memory; pinned runs on the CPU too)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--out", type=Path, default=OUT_DIR, help=f"folder for soak.json ({OUT_DIR})")
     args = p.parse_args(argv)
     if args.seconds <= 0 or args.threads < 1:
         p.error("--seconds must be > 0 and --threads >= 1")
-    result = run_soak(args.seconds, args.threads, seed=args.seed)
+    result = run_soak(args.seconds, args.threads, seed=args.seed, host_memory=args.host_memory)
     doc = {"name": NAME, "machine": machine(), "load_average": os.getloadavg(), **result}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{NAME}.json").write_text(json.dumps(doc, indent=2))

@@ -1,5 +1,7 @@
-"""Moves that copy nothing (`cacheflow_jax.cache.in_place`, `Mover.in_place`): the same
-decisions as the general path, the same objects, and no runtime block lost."""
+"""Moves made under the lock without waiting (`cacheflow_jax.cache.in_place`, `Mover.in_place`):
+the same decisions as the general path, the same objects, and no runtime block lost. On JAX's CPU
+backend they copy nothing (``host_memory="auto"``); with L2 in pinned_host memory
+(``"pinned"``, the default on a GPU, forced here) they are copies issued without waiting."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ def _kv(i: int) -> dict[str, Any]:
             "v": rng.standard_normal((2, 16, 8)).astype(np.float32)}  # fmt: skip
 
 
-def _drive(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any], list[bytes]]:
+def _drive(
+    root: Path, seed: int, host_memory: str
+) -> tuple[list[str | None], dict[str, Any], list[bytes]]:
     """Puts 60 pytree blocks (2 KiB each) into a small L1/L2 and reads them in a skewed order
     through `get` and `get_many`; where every block ended up, the counters, and what was read."""
     cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=8 * 2 * KIB,
-                            host_bytes=16 * 2 * KIB)  # fmt: skip
+                            host_bytes=16 * 2 * KIB, host_memory=host_memory)  # fmt: skip
     keys = [f"kv:{i}" for i in range(60)]
     for i, key in enumerate(keys):
         cache.put(key, _kv(i))
@@ -49,8 +53,9 @@ def _drive(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any], lis
     return where, {"hits": stats["hits"], "misses": stats["misses"]}, read
 
 
+@pytest.mark.parametrize("host_memory", ["auto", "pinned"])
 def test_in_place_promotions_decide_as_the_general_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_memory: str
 ) -> None:
     import cacheflow_jax.cache.demand as demand_module
 
@@ -63,12 +68,12 @@ def test_in_place_promotions_decide_as_the_general_path(
         return rest
 
     monkeypatch.setattr(demand_module, "finish_in_place", spy)
-    fast = _drive(tmp_path / "fast", seed=3)
+    fast = _drive(tmp_path / "fast", seed=3, host_memory=host_memory)
     assert fast[1]["hits"]["host"] > 100  # the promotions under test happened
     assert sum(batched) > 50 and max(batched) >= 3  # so did batches of L3 reads moved at once
     # No L1 tier counts as one whose victims move without copies: the general path throughout.
     monkeypatch.setattr(mover_module, "DeviceTier", type("NoTier", (), {}))
-    slow = _drive(tmp_path / "slow", seed=3)
+    slow = _drive(tmp_path / "slow", seed=3, host_memory=host_memory)
     assert fast == slow
 
 
@@ -101,9 +106,12 @@ def test_runtime_blocks_pushed_out_by_in_place_promotions_stay_durable(tmp_path:
             assert np.asarray(got["v"]).tobytes() == _kv(i)["v"].tobytes(), i
 
 
-def test_concurrent_in_place_promotions_keep_budgets_and_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_memory", ["auto", "pinned"])
+def test_concurrent_in_place_promotions_keep_budgets_and_bytes(
+    tmp_path: Path, host_memory: str
+) -> None:
     cache = cfj.TieredCache(cfj.open_store(tmp_path / "s", create=True), device_bytes=3 * 2 * KIB,
-                            host_bytes=5 * 2 * KIB)  # fmt: skip
+                            host_bytes=5 * 2 * KIB, host_memory=host_memory)  # fmt: skip
     for i in range(30):
         cache.put(f"kv:{i}", _kv(i))
     errors: list[BaseException] = []
@@ -144,11 +152,11 @@ def test_concurrent_in_place_promotions_keep_budgets_and_bytes(tmp_path: Path) -
     cache.close()
 
 
-def _stage(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any]]:
+def _stage(root: Path, seed: int, host_memory: str) -> tuple[list[str | None], dict[str, Any]]:
     """Puts 80 blocks, then stages batches of 10 from L3 into an L2 of 6 between skewed reads;
     where every block ended up and the counters."""
     cache = cfj.TieredCache(cfj.open_store(root, create=True), device_bytes=6 * 2 * KIB,
-                            host_bytes=6 * 2 * KIB)  # fmt: skip
+                            host_bytes=6 * 2 * KIB, host_memory=host_memory)  # fmt: skip
     keys = [f"kv:{i}" for i in range(80)]
     for i, key in enumerate(keys):
         cache.put(key, _kv(i))
@@ -168,13 +176,14 @@ def _stage(root: Path, seed: int) -> tuple[list[str | None], dict[str, Any]]:
                    "staged": stats["prefetch"]["staged"]}  # fmt: skip
 
 
+@pytest.mark.parametrize("host_memory", ["auto", "pinned"])
 def test_in_place_staging_decides_as_the_general_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_memory: str
 ) -> None:
-    fast = _stage(tmp_path / "fast", seed=5)
+    fast = _stage(tmp_path / "fast", seed=5, host_memory=host_memory)
     assert fast[1]["staged"] > 50  # blocks went into L2 in batches
     monkeypatch.setattr(mover_module, "DeviceTier", type("NoTier", (), {}))
-    slow = _stage(tmp_path / "slow", seed=5)
+    slow = _stage(tmp_path / "slow", seed=5, host_memory=host_memory)
     assert fast == slow
 
 
@@ -190,7 +199,7 @@ def test_only_arrays_on_l1s_own_placement_move_in_place() -> None:
     from cacheflow_jax.tiers.memory import DeviceTier
 
     tier = DeviceTier(64 * KIB)
-    mover = SimpleNamespace(in_place=True, tiers=[tier])  # what the check reads of a Mover
+    mover = SimpleNamespace(in_place=True, pinned_moves=False, tiers=[tier])  # what it reads
     first = {"k": tier.load(np.ones(4, np.float32))}  # a dtype's first leaf: the public call's
     assert can_move_in_place(mover, first)
     placed = {"k": tier.load(np.ones(4, np.float32)), "v": tier.load(np.zeros(4, np.float32))}
@@ -200,6 +209,16 @@ def test_only_arrays_on_l1s_own_placement_move_in_place() -> None:
     assert not can_move_in_place(mover, {"k": placed["k"], "v": jnp.zeros(4)})  # uncommitted
     assert not can_move_in_place(mover, {"k": placed["k"], "v": np.zeros(4, np.float32)})
     assert not can_move_in_place(SimpleNamespace(in_place=False, tiers=[tier]), placed)
+    # With L2 in pinned_host memory: L1's arrays and L2's pinned copies of them both move.
+    from cacheflow_jax.tiers.memory import HostTier
+
+    host = HostTier(64 * KIB, pinned=tier.device)
+    pinned = SimpleNamespace(in_place=True, pinned_moves=True, tiers=[tier, host])
+    down = host.load(placed, owned=True)
+    assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in down.values())
+    assert can_move_in_place(pinned, placed) and can_move_in_place(pinned, down)
+    assert not can_move_in_place(pinned, {"k": down["k"], "v": np.zeros(4, np.float32)})
+    assert not can_move_in_place(pinned, {"k": down["k"], "v": jnp.zeros(4)})
 
 
 @pytest.mark.parametrize(("chars", "fits"), [(80, True), (81, False)])

@@ -1,7 +1,10 @@
-"""Promotions that copy nothing: L2 -> L1 where the device's memory is host memory.
+"""Promotions that never wait: L2 -> L1 where a move copies nothing, or copies without waiting.
 
 On JAX's CPU backend a block in L1 is a ``jax.Array`` in host memory, and L2 keeps such arrays as
 they are (`HostTier`), so promoting a block from L2 and demoting L1's victims to L2 move no bytes.
+With L2 in the device's pinned_host memory (``host_memory="pinned"``, the default on a GPU) each
+move is a copy issued without waiting (`moved_up`, `moved_down` in `cacheflow_jax.cache.mover`): the copy engines run it while
+the lock is free again, and a reader of the array waits for it as for any JAX array.
 `Mover.finish` would still release the lock between the victims and register a `Transit` for
 each; `promote_in_place` makes the same moves and the same decisions in one hold of the lock
 (nothing in it waits on a transfer). `cacheflow_jax.cache.demand` uses it for every L2 hit it can;
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cacheflow_jax.cache.mover import DEVICE, HOST, room_in_place
+from cacheflow_jax.cache.mover import DEVICE, HOST, moved_up, room_in_place
 from cacheflow_jax.core.pytree import TREES, leaves_of
 
 if TYPE_CHECKING:
@@ -24,18 +27,22 @@ if TYPE_CHECKING:
 
 
 def can_move_in_place(mover: Mover, value: Any) -> bool:
-    """Whether promoting ``value`` from L2, and demoting L1's victims to L2, copy nothing.
+    """Whether promoting ``value`` from L2, and demoting L1's victims to L2, never wait.
 
     True when L1's device memory is host memory (JAX's CPU backend), L2 keeps such a
     device's arrays as they are (`HostTier`), and ``value``'s leaves are arrays committed
     to L1's device, as blocks that came down from L1 are (`to_device` returns them as they
-    are). Such a promotion runs in one hold of the lock (`promote_in_place`).
+    are); or when L2 is in pinned_host memory (`Mover.pinned_moves`) and ``value``'s leaves are
+    committed arrays in L1's device memory or in that pinned memory. Such a promotion runs in
+    one hold of the lock (`promote_in_place`).
     """
     if not mover.in_place:
         return False
     import jax
 
     sharding = mover.tiers[DEVICE].sharding
+    if mover.pinned_moves:
+        return _on_device_or_pinned(value, sharding, mover.tiers[HOST].pinned)
     if type(value) is dict:  # a block's usual pytree (K and V): accepted without `leaves_of`
         for leaf in value.values():
             if not (isinstance(leaf, jax.Array) and leaf.sharding is sharding and leaf.committed):
@@ -48,13 +55,33 @@ def can_move_in_place(mover: Mover, value: Any) -> bool:
     return isinstance(value, jax.Array) and value.committed and value.sharding == sharding
 
 
+def _on_device_or_pinned(value: Any, sharding: Any, pinned: Any) -> bool:
+    """Whether ``value``'s leaves are committed arrays in L1's device memory or in its
+    pinned_host memory (L2's), so that `moved_up` moves them without waiting."""
+    import jax
+
+    if type(value) is dict:
+        leaves = value.values()
+    elif type(value) in TREES:
+        leaves = leaves_of(value)
+    else:
+        leaves = (value,)
+    for leaf in leaves:
+        if not (isinstance(leaf, jax.Array) and leaf.committed):
+            return False
+        kept = leaf.sharding
+        if not (kept is sharding or kept is pinned or kept in (sharding, pinned)):
+            return False
+    return True
+
+
 def promote_in_place(mover: Mover, key: str, info: BlockInfo, source: Any) -> Any:
     """Under the lock: `finish` for a block `begin` took from L2 that moves in place
     (`can_move_in_place`): the same moves and decisions, without releasing the lock.
     The caller starts the write-back after releasing it."""
     transit = mover.inflight[key]
     try:
-        value = source  # what `device.load` returns for it: see can_move_in_place
+        value = moved_up(mover, source)  # what `device.load` returns: see can_move_in_place
         if room_in_place(mover, DEVICE, info.nbytes, key):
             mover.land(key, DEVICE, value, info.nbytes)
         elif len(mover.tiers) > HOST and room_in_place(mover, HOST, info.nbytes, key):

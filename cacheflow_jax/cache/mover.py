@@ -132,9 +132,13 @@ class Mover:
         self.next_expire = -math.inf
         self.plan_access: Callable[[str, float], Any] = planner.access_function()
         l1 = tiers[DEVICE]
-        self.in_place = (type(l1) is DeviceTier and l1.host_memory
-                         and (len(tiers) <= HOST or (type(tiers[HOST]) is HostTier
-                                                     and tiers[HOST].pinned is None)))  # fmt: skip
+        l2 = tiers[HOST] if len(tiers) > HOST else None
+        plain = type(l1) is DeviceTier and (l2 is None or type(l2) is HostTier)
+        # Moves that never wait, made under the lock (`room_in_place`, `cacheflow_jax.cache.
+        # in_place`): on JAX's CPU backend they copy nothing (L2 keeps L1's arrays); with L2 in
+        # pinned_host memory they are copies issued without waiting (`moved_down`, `moved_up`).
+        self.pinned_moves = plain and l2 is not None and l2.pinned is not None
+        self.in_place = plain and (l1.host_memory or self.pinned_moves)
 
     # ------------------------------------------------------------------------- block facts
 
@@ -567,6 +571,24 @@ class Mover:
                 self.leave(key, value)  # the write starts after the lock is released
 
 
+def moved_down(mover: Mover, value: Any) -> Any:
+    """Under the lock, where moves are in place: L1's block as L2 keeps it (the same arrays on
+    JAX's CPU backend). With L2 in pinned_host memory, a copy issued and not waited for: the
+    device frees the block's buffer when it is done, and a reader of the L2 copy waits for it
+    as for any array."""
+    if not mover.pinned_moves:
+        return value
+    return mover.tiers[HOST].load(value, owned=True, wait=False)
+
+
+def moved_up(mover: Mover, value: Any) -> Any:
+    """Under the lock, where moves are in place: L2's block as L1 keeps it (`moved_down`'s
+    inverse: with L2 in pinned_host memory, a copy to device memory, not waited for)."""
+    if not mover.pinned_moves:
+        return value
+    return mover.tiers[DEVICE].load(value, owned=True, wait=False)
+
+
 def room_in_place(
     mover: Mover, tier_index: int, nbytes: int, key: str | None, *, moving: bool = False,
     prefetch: bool = False, rank: int = 1,
@@ -594,7 +616,7 @@ def room_in_place(
         victim, value, destination = step
         size = mover.info(victim).nbytes
         if destination == HOST and room_in_place(mover, HOST, size, victim, moving=True):
-            mover.tiers[HOST].put_reserved(victim, value, size)  # L1's arrays: L2's too
+            mover.tiers[HOST].put_reserved(victim, moved_down(mover, value), size)
             mover.planner.insert(HOST, victim, mover.clock(), size)
         else:
             mover.leave(victim, value)

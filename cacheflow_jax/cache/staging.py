@@ -154,7 +154,7 @@ class Staging:
                 raws.append(None)  # a get reads the block itself and raises
         device = mover.tiers[DEVICE]
         read = [i for i, raw in enumerate(raws) if raw is not None]
-        if device.host_memory and read:
+        if device.host_memory and read and not mover.pinned_moves:  # (pinned L2 keeps numpy)
             try:
                 moved = device.load_many([raws[i] for i in read], owned=True)
             except Exception:

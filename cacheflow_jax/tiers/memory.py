@@ -134,9 +134,10 @@ class DeviceTier(AbstractTier):
         self.placement = Placement(self.device, self.sharding)
         self.host_memory = self.device.platform == "cpu"
 
-    def load(self, value: Any, *, owned: bool = False) -> jax.Array:
-        """The block (an array, or a pytree of arrays: `_pytree`) on the device."""
-        return to_device(value, self.device, owned=owned, placement=self.placement)
+    def load(self, value: Any, *, owned: bool = False, wait: bool = True) -> jax.Array:
+        """The block (an array, or a pytree of arrays: `_pytree`) on the device; ``wait=False``:
+        its transfer may still run (see `to_device`)."""
+        return to_device(value, self.device, owned=owned, placement=self.placement, wait=wait)
 
     def load_many(self, values: list[Any], *, owned: bool = False) -> list[Any]:
         """`load` of several blocks in one batch of transfers."""
@@ -144,8 +145,9 @@ class DeviceTier(AbstractTier):
 
 
 def to_device(
-    value: Any, device: jax.Device, *, owned: bool = False, placement: Placement | None = None
-) -> Any:
+    value: Any, device: jax.Device, *, owned: bool = False, placement: Placement | None = None,
+    wait: bool = True,
+) -> Any:  # fmt: skip
     """``value`` (an array or a pytree of arrays) as ready arrays on ``device``, committed.
 
     Every leaf is committed to ``device``, as a block coming from any other tier is, so that a
@@ -156,6 +158,9 @@ def to_device(
     64-byte aligned buffer, as `_fastread`'s are): an L2 -> L1 move is then free, as it is in
     fact. A caller's array is copied: the CPU backend aliases an aligned numpy array whatever
     ``may_alias`` says (jax 0.10), and the caller may write into it later.
+
+    ``wait``: False returns the arrays with their transfers possibly still running (a reader
+    waits for them as for any array); the cache's moves under its lock use it (`moved_up`).
 
     ``placement``: the device's `Placement`, when the caller keeps one (it makes committing a
     leaf and moving a small one cost a fraction of the public calls; `DeviceTier` has one);
@@ -192,7 +197,8 @@ def to_device(
                     f"the device changed a block's dtype from {leaf.dtype} to {moved.dtype}"
                 )
             leaves[i] = moved
-        jax.block_until_ready(out)  # the transfer has finished before the bytes count
+        if wait:
+            jax.block_until_ready(out)  # the transfer has finished before the bytes count
         changed = True
     if not tree:
         return leaves[0]
@@ -229,18 +235,22 @@ class HostTier(AbstractTier):
 
             self.pinned = jax.sharding.SingleDeviceSharding(pinned, memory_kind="pinned_host")
 
-    def load(self, value: Any, *, owned: bool = False) -> np.ndarray | jax.Array:
+    def load(
+        self, value: Any, *, owned: bool = False, wait: bool = True
+    ) -> np.ndarray | jax.Array:
+        """The block as L2 keeps it; ``wait=False`` (pinned only): a copy to pinned_host memory
+        may still run (`moved_down`)."""
         if type(value) in TREES:
             leaves = leaves_of(value)
-            pinned = self._pin_leaves(leaves) if self.pinned is not None else leaves
-            kept = [_to_host_tier(leaf, owned, self.pinned) for leaf in pinned]
+            pinned = self._pin_leaves(leaves, wait) if self.pinned is not None else leaves
+            kept = [_to_host_tier(leaf, owned, self.pinned, wait) for leaf in pinned]
             if owned and all(a is b for a, b in zip(kept, leaves)):
                 return value  # device arrays in host memory: the same (owned) block
             it = iter(kept)
             return tree_map(lambda _: next(it), value)
-        return _to_host_tier(value, owned, self.pinned)
+        return _to_host_tier(value, owned, self.pinned, wait)
 
-    def _pin_leaves(self, leaves: list[Any]) -> list[Any]:
+    def _pin_leaves(self, leaves: list[Any], wait: bool) -> list[Any]:
         """A block's leaves with those in the pinned device's memory copied to its
         ``pinned_host`` memory in one batch (one transfer call and one wait for the block, where
         `_to_host_tier` would make one of each per leaf)."""
@@ -252,7 +262,9 @@ class HostTier(AbstractTier):
                   and leaf.sharding.memory_kind != "pinned_host"]  # fmt: skip
         if len(moving) < 2:
             return leaves
-        moved = jax.block_until_ready(jax.device_put([leaves[i] for i in moving], pinned))
+        moved = jax.device_put([leaves[i] for i in moving], pinned)
+        if wait:
+            jax.block_until_ready(moved)
         out = list(leaves)
         for i, leaf in zip(moving, moved):
             out[i] = leaf
@@ -271,7 +283,7 @@ def pinned_memory(device: jax.Device) -> bool:
         return False
 
 
-def _to_host_tier(value: Any, owned: bool, pinned: Any = None) -> Any:
+def _to_host_tier(value: Any, owned: bool, pinned: Any = None, wait: bool = True) -> Any:
     import jax
     import numpy as np
 
@@ -279,7 +291,8 @@ def _to_host_tier(value: Any, owned: bool, pinned: Any = None) -> Any:
         if pinned is not None and value.devices() == pinned.device_set:
             if value.sharding.memory_kind == "pinned_host":
                 return value  # already there, and immutable
-            return jax.block_until_ready(jax.device_put(value, pinned))
+            moved = jax.device_put(value, pinned)
+            return jax.block_until_ready(moved) if wait else moved
         if all(d.platform == "cpu" for d in value.devices()):
             return value  # already in host memory, and immutable
         return np.asarray(jax.device_get(value))
