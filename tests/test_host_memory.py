@@ -96,6 +96,40 @@ def test_pytree_blocks_come_down_to_pinned_memory_leaf_by_leaf(tmp_path):
     cache.close()
 
 
+def _l2_in_host_memory(cache) -> bool:
+    """Every leaf in L2 is numpy or a pinned_host array: none holds device memory."""
+    for block in cache.tiers[1].entries.values():
+        for leaf in jax.tree.leaves(block):
+            if isinstance(leaf, jax.Array) and _memory_kind(leaf) != "pinned_host":
+                return False
+    return True
+
+
+@pytest.mark.parametrize("layout", ["arrays", "slab"])
+def test_a_promotion_l1_has_no_room_for_stays_in_pinned_memory(tmp_path, layout):
+    """A block promoted while pins hold all of L1 stays in L2, in pinned_host memory (not the
+    device copy handed to the caller); L2 never holds device memory."""
+    store, expected = _store(tmp_path, blocks=8)
+    cache = cfj.TieredCache(store, device_bytes=2 * BLOCK, host_bytes=6 * BLOCK, read_buffer=1,
+                            host_memory="pinned", device_layout=layout)  # fmt: skip
+    keys = list(expected)
+    hot, cold = keys[:2], keys[2:]
+    for key in cold + hot:  # the cold blocks end in L2, the hot ones in L1
+        cache.get(key)
+    assert all(cache.tier_of(k) == "host" for k in cold)
+    with cache.pinned(hot):  # L1 is all pinned: a promotion finds no room there
+        for key in cold:
+            value = cache.get(key)
+            assert _memory_kind(value) == "device" and same_bits(value, expected[key])
+            assert cache.tier_of(key) == "host", key
+            assert _l2_in_host_memory(cache), key
+    for key in keys:  # and everything comes back exact afterwards
+        assert same_bits(cache.get(key), expected[key])
+        assert _l2_in_host_memory(cache), key
+    cache.check_budgets()
+    cache.close()
+
+
 def test_host_memory_setting(tmp_path):
     store, _ = _store(tmp_path)
     auto = cfj.TieredCache(store, device_bytes=2 * BLOCK, host_bytes=2 * BLOCK)

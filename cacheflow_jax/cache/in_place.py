@@ -3,8 +3,9 @@
 On JAX's CPU backend a block in L1 is a ``jax.Array`` in host memory, and L2 keeps such arrays as
 they are (`HostTier`), so promoting a block from L2 and demoting L1's victims to L2 move no bytes.
 With L2 in the device's pinned_host memory (``host_memory="pinned"``, the default on a GPU) each
-move is a copy issued without waiting (`moved_up`, `moved_down` in `cacheflow_jax.cache.mover`): the copy engines run it while
-the lock is free again, and a reader of the array waits for it as for any JAX array.
+move is a copy issued without waiting (`moved_up`, `moved_down` in `cacheflow_jax.cache.mover`):
+the copy engines run it while the lock is free again, and a reader of the array waits for it as
+for any JAX array.
 `Mover.finish` would still release the lock between the victims and register a `Transit` for
 each; `promote_in_place` makes the same moves and the same decisions in one hold of the lock
 (nothing in it waits on a transfer). `cacheflow_jax.cache.demand` uses it for every L2 hit it can;
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cacheflow_jax.cache.mover import DEVICE, HOST, moved_up, room_in_place
+from cacheflow_jax.cache.mover import DEVICE, HOST, moved_down, moved_up, room_in_place
 from cacheflow_jax.core.pytree import TREES, leaves_of
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ def promote_in_place(mover: Mover, key: str, info: BlockInfo, source: Any) -> An
         if room_in_place(mover, DEVICE, info.nbytes, key):
             mover.land(key, DEVICE, value, info.nbytes)
         elif len(mover.tiers) > HOST and room_in_place(mover, HOST, info.nbytes, key):
-            mover.land(key, HOST, value, info.nbytes)  # not admitted to L1: kept in L2
+            # Not admitted to L1: kept in L2, in L2's memory (pinned L2: not the device copy).
+            mover.land(key, HOST, moved_down(mover, source), info.nbytes)
         else:
             mover.land(key, None, value, info.nbytes)
     except BaseException as e:
