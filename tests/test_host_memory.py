@@ -140,3 +140,12 @@ def test_host_memory_setting(tmp_path):
     assert paged.tiers[1].pinned is None
     with pytest.raises(ValueError, match="host_memory='paged' must be one of"):
         cfj.TieredCache(store, device_bytes=2 * BLOCK, host_bytes=2 * BLOCK, host_memory="paged")
+
+
+def test_pinned_on_a_device_without_pinned_memory_names_the_setting(tmp_path, monkeypatch):
+    import cacheflow_jax.cache.assembly as assembly
+
+    store, _ = _store(tmp_path)
+    monkeypatch.setattr(assembly, "has_pinned_host", lambda device: False)
+    with pytest.raises(ValueError, match="host_memory='pinned': device .* has no pinned_host"):
+        cfj.TieredCache(store, device_bytes=2 * BLOCK, host_bytes=2 * BLOCK, host_memory="pinned")

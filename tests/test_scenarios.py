@@ -59,13 +59,12 @@ def test_host_offload_runs_with_jax_0_11s_compute_on(monkeypatch) -> None:
     the host-offload way takes either spelling and gives the same vectors."""
     from jax.experimental import compute_on as co
 
-    if not hasattr(co, "compute_on2"):
-        pytest.skip("this JAX has only one compute_on: the test's main case runs it")
     ids, vocab = help_text_ids()
     model = TextModel(TextConfig(rows=-(-vocab // 64) * 64, d_model=32, layers=1), seed=3)
     batch = text_batches(ids, count=1, batch=4, seq=8, seed=1)[0]
     want = np.asarray(model(model.table[batch])).tobytes()
-    monkeypatch.setattr(co, "compute_on", co.compute_on2)
+    if hasattr(co, "compute_on2"):  # jax 0.10: make compute_on 0.11's transform
+        monkeypatch.setattr(co, "compute_on", co.compute_on2)
     assert np.asarray(HostOffload(model.table, model, None).text(model, batch)).tobytes() == want
 
 

@@ -27,7 +27,7 @@ from cacheflow_jax.core.blocks import BudgetError, Store
 from cacheflow_jax.planning.planner import Planner
 from cacheflow_jax.policies import Policy, get_policy
 from cacheflow_jax.prefetch.scheduler import load_prefetcher
-from cacheflow_jax.tiers.memory import AbstractTier, HostTier, pinned_memory
+from cacheflow_jax.tiers.memory import AbstractTier, HostTier, has_pinned_host, pinned_memory
 
 if TYPE_CHECKING:
     from cacheflow_jax.cache.config import CacheConfig
@@ -109,7 +109,7 @@ def make_tiers(config: CacheConfig, store: Store) -> list[AbstractTier]:
     pinned = None
     if config.host_memory == "pinned" or (config.host_memory == "auto"
                                           and pinned_memory(l1.device)):  # fmt: skip
-        if not any(m.kind == "pinned_host" for m in l1.device.addressable_memories()):
+        if not has_pinned_host(l1.device):
             raise ValueError(
                 f"host_memory='pinned': device {l1.device} has no pinned_host memory; "
                 "use host_memory='pageable' or 'auto'"

@@ -275,8 +275,11 @@ def pinned_memory(device: jax.Device) -> bool:
     """Whether ``device`` is an accelerator with a ``pinned_host`` memory kind, where L2 keeps
     the blocks coming down from L1 (`HostTier`'s ``pinned``; the cache's ``host_memory="auto"``).
     JAX's CPU backend has one too, but its device memory is host memory already."""
-    if device.platform == "cpu":
-        return False
+    return device.platform != "cpu" and has_pinned_host(device)
+
+
+def has_pinned_host(device: jax.Device) -> bool:
+    """Whether ``device`` has a ``pinned_host`` memory kind."""
     try:
         return any(m.kind == "pinned_host" for m in device.addressable_memories())
     except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memories
